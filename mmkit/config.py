@@ -1,0 +1,258 @@
+"""Engine configuration: user-facing `EngineArgs` -> one frozen `EngineConfig`.
+
+The HF config is read once here (through `transformers.AutoConfig`) and translated into
+mmkit's own names, so every component receives the same immutable object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_model_path() -> Path:
+    """The embedded default checkpoint shipped in the repository's `assets/`."""
+    return Path(__file__).resolve().parent.parent / "assets" / "default-model"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the checkpoint, in mmkit's names."""
+
+    path: str
+    architecture: str
+    hf_config: Any  # transformers.PretrainedConfig (LlavaConfig)
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    image_token_id: int | None
+    image_seq_length: int | None  # placeholder tokens per image after expansion
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_kv_blocks: int | None  # exact override; None = derive from memory
+    kv_cache_memory: int | None  # bytes
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int
+    limit_mm_per_prompt: Mapping[str, int]
+    tokenizer_path: str
+
+
+@dataclass
+class EngineArgs:
+    """Every argument `LLM(...)`, `LLMEngine` and `AsyncLLMEngine` accept.
+
+    `LLM(**kwargs)` is `EngineArgs(**kwargs)` underneath.
+    """
+
+    model: str | os.PathLike | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: {"image": 8})
+    enable_prefix_caching: bool = False
+    tokenizer: str | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate()
+        model_path = resolve_model_path(self.model)
+        model = _build_model_config(model_path, self)
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = max(2048, min(model.max_model_len, 8192))
+        cache = CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=model.max_model_len,
+        )
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            seed=self.seed,
+            limit_mm_per_prompt=dict(self.limit_mm_per_prompt),
+            tokenizer_path=str(self.tokenizer or model_path),
+        )
+
+    def _validate(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype: got {self.dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}"
+            )
+        if self.device not in _DEVICES:
+            raise ValueError(f"device: got {self.device!r}; expected one of {list(_DEVICES)}")
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("block_size", self.block_size)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(name, value)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: got {self.gpu_memory_utilization}; expected a value in (0, 1]"
+            )
+        if not isinstance(self.limit_mm_per_prompt, Mapping) or any(
+            not isinstance(v, int) or v < 0 for v in self.limit_mm_per_prompt.values()
+        ):
+            raise ValueError(
+                f"limit_mm_per_prompt: got {self.limit_mm_per_prompt!r}; expected a dict like {{'image': 4}}"
+            )
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: got {value!r}; expected a positive integer")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A local folder, or a model id already in the local HF cache (never downloads)."""
+    if model is None:
+        path = default_model_path()
+        if not (path / "config.json").exists():
+            raise ValueError(
+                f"model: None selects the embedded default model, but {path} holds no checkpoint"
+            )
+        return path
+    path = Path(os.fspath(model)).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model: {str(path)!r} is a folder without config.json")
+        return path
+    if path.exists():
+        raise ValueError(f"model: {str(path)!r} is a file; expected a checkpoint folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any hub failure means "not available offline"
+        raise ValueError(
+            f"model: {str(model)!r} is neither a local checkpoint folder nor a model id in the "
+            f"local HuggingFace cache (mmkit never downloads weights)"
+        ) from exc
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: got 'cuda' but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        # NOTE: float32 on CPU keeps outputs identical to transformers' default.
+        return torch.float32
+    text_config = hf_config.get_text_config()
+    saved = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    if saved in (torch.float16, torch.bfloat16):
+        return saved
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
+    from mmkit.models.registry import resolve_architecture
+
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    architecture = resolve_architecture(hf_config)
+    text = hf_config.get_text_config()
+    device = resolve_device(args.device)
+    derived_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
+    max_model_len = args.max_model_len or derived_len
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    image_token_id = getattr(hf_config, "image_token_index", None)
+    if image_token_id is None:
+        image_token_id = getattr(hf_config, "image_token_id", None)
+    return ModelConfig(
+        path=str(path),
+        architecture=architecture,
+        hf_config=hf_config,
+        dtype=resolve_dtype(args.dtype, hf_config, device),
+        device=device,
+        max_model_len=max_model_len,
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        image_token_id=image_token_id,
+        image_seq_length=_image_seq_length(hf_config),
+    )
+
+
+def _image_seq_length(hf_config: Any) -> int | None:
+    """Placeholder tokens per image, the way LlavaProcessor counts them."""
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None:
+        return None
+    num_patches = (vision.image_size // vision.patch_size) ** 2
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    # CLIP-like towers prepend a CLS token; "default" drops it, "full" keeps it.
+    has_cls = getattr(vision, "model_type", "") in ("clip_vision_model", "clip")
+    if strategy == "full" and has_cls:
+        num_patches += 1
+    return num_patches
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """`dataclasses.replace`, re-exported for tests that derive a config."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, KV block management and the step loop."""

@@ -1,0 +1,122 @@
+"""Requests (`SequenceGroup`) and their sequences: the state the scheduler moves around."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mmkit.outputs import PositionLogprobs
+from mmkit.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmkit.processors.base import ProcessedPrompt
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: the prompt followed by its generated tokens."""
+
+    group: "SequenceGroup"
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # Detokenizer state (see mmkit/engine/detokenizer.py).
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
+    # produces all n first tokens; the other n - 1 sequences are forked from this one.
+    num_pending_forks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the scheduled tokens include prompt (or recomputed) tokens."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the K/V is gone; every token is recomputed on resume."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (f"Sequence(req={self.group.request_id!r}, idx={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: a processed prompt, its sampling params and its n sequences."""
+
+    request_id: str
+    processed: "ProcessedPrompt"
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # Vision embeddings [num_image_tokens_total, hidden], computed at the first prefill and
+    # kept while the request lives so a recompute after preemption or a later prefill chunk
+    # does not rerun the vision tower.
+    image_embeds: torch.Tensor | None = None
+    # Samples 1..n-1 before the prompt is computed: they exist (with their generators) but
+    # join `seqs` only when forked from seqs[0] after its prefill.
+    pending_forks: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    output_cursor: int = 0  # for streaming: outputs already reported
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.processed.prompt_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and not self.pending_forks
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]

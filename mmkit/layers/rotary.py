@@ -1,0 +1,38 @@
+"""Rotary position embedding: a cos/sin table built once from the HF config.
+
+The inverse frequencies come from transformers' own rotary module, so every RoPE variant
+the HF config names (default, linear, dynamic-free llama3, yarn, ...) is computed the way
+the reference computes it; mmkit only tabulates and indexes it by position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, text_config, max_positions: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_rope = LlamaRotaryEmbedding(text_config)
+        positions = torch.arange(max_positions)[None]  # [1, max_positions]
+        dummy = torch.zeros(1, dtype=torch.float32)
+        with torch.no_grad():
+            cos, sin = hf_rope(dummy, positions)  # [1, max_positions, head_dim], float32
+        self.register_buffer("cos", cos[0], persistent=False)
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k

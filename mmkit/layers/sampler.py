@@ -1,0 +1,133 @@
+"""Sampler: one batched pass over the step's logits.
+
+Order (vLLM's): penalties -> min_tokens EOS mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> softmax -> draw. Draws use each sequence's own generator
+(`probs / Exp(1)` noise, argmax), so a seeded request samples the same tokens whatever
+else is in the batch. Reported logprobs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmkit.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each sampled token
+    ranks: list[int] | None  # rank of each sampled token (1 = argmax), when logprobs asked
+    top_ids: list[list[int]] | None  # per row: the top-k token ids (k = params.logprobs)
+    top_logprobs: list[list[float]] | None
+
+
+def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    num_rows, vocab = logits.shape
+    device = logits.device
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+    counts = torch.zeros(num_rows, vocab, device=device)
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        if r.output_token_ids:
+            ids = torch.tensor(r.output_token_ids, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
+            seen[i, torch.tensor(r.prompt_token_ids, device=device)] = True
+    seen |= counts > 0
+    # transformers' RepetitionPenaltyLogitsProcessor: divide positive, multiply negative.
+    penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+    logits = torch.where(seen, penalized, logits)
+    # vLLM's OpenAI-style penalties over output tokens.
+    logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+    return logits
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            banned = list(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                banned += list(r.params.eos_token_ids)
+            if banned:
+                logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Set filtered-out logits to -inf. logits: [rows, vocab] (already divided by temperature);
+    top_k: [rows] int (vocab = off); top_p, min_p: [rows] float."""
+    vocab = logits.shape[-1]
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        remove = ranks >= top_k[:, None]
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Remove a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p[:, None]
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # logits: [num_rows, vocab] float32
+        raw_logprobs = logits.log_softmax(dim=-1)
+        if any(r.params.has_penalties for r in rows):
+            logits = _penalize(logits, rows)
+        if any(r.params.min_tokens for r in rows):
+            logits = _mask_min_tokens(logits.clone(), rows)
+        token_ids = logits.argmax(dim=-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random_idx:
+            token_ids[random_idx] = self._draw(logits[random_idx], [rows[i] for i in random_idx])
+        sampled_lp = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_lp.tolist(),
+                            ranks=None, top_ids=None, top_logprobs=None)
+        wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if wants:
+            out.ranks = ((raw_logprobs > sampled_lp[:, None]).sum(dim=-1) + 1).tolist()
+            k = max(wants)
+            if k > 0:
+                top = raw_logprobs.topk(k, dim=-1)
+                out.top_ids = top.indices.tolist()
+                out.top_logprobs = top.values.tolist()
+        return out
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[-1]
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        logits = filter_logits(logits / temperature[:, None], top_k, top_p, min_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            # NOTE: one draw per row from that row's own generator keeps seeded requests
+            # independent of the batch they land in.
+            noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)

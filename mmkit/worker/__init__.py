@@ -1,0 +1,1 @@
+"""The worker side: KV cache allocation and the ModelRunner that executes one engine step."""

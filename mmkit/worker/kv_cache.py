@@ -1,0 +1,46 @@
+"""KV cache sizing and allocation (done once, when the engine is built)."""
+
+from __future__ import annotations
+
+import torch
+
+from mmkit.config import CacheConfig, ModelConfig
+
+_CPU_DEFAULT_LIMIT = 4 << 30  # bytes
+
+
+def bytes_per_block(model: ModelConfig, block_size: int) -> int:
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> int:
+    """`num_kv_blocks` if given; else `kv_cache_memory`; else a device-dependent default."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = bytes_per_block(model, cache.block_size)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif model.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(model.device)
+        budget = int(free * cache.gpu_memory_utilization)
+    else:
+        blocks_per_seq = -(-model.max_model_len // cache.block_size)
+        budget = min(max_num_seqs * blocks_per_seq * per_block, _CPU_DEFAULT_LIMIT)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: {budget} bytes hold no KV block of {per_block} bytes "
+            f"(block_size={cache.block_size}); give more memory or set num_kv_blocks"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # One (K, V) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    return [
+        (torch.zeros(shape, dtype=model.dtype, device=model.device),
+         torch.zeros(shape, dtype=model.dtype, device=model.device))
+        for _ in range(model.num_layers)
+    ]

@@ -1,0 +1,226 @@
+"""ModelRunner: turns one `SchedulerOutput` into a forward pass and sampled tokens.
+
+`execute_model` is the one call per engine step that runs the model: batch preparation
+(input ids, positions, slot mapping, block tables), image encoding and merging on prefill,
+the decoder forward on the paged cache, the LM head on the last positions and the sampler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmkit.config import EngineConfig
+from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
+from mmkit.engine.sequence import SequenceGroup
+from mmkit.layers.attention import AttentionMetadata, PrefillChunk
+from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from mmkit.models.registry import get_model_class
+from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the scheduled chunks that reached the end of their sequence."""
+
+    sampled: list[ScheduledSeq]  # in the order of the sampler rows
+    sampler_output: SamplerOutput | None
+    # Rows of `sampler_output` per sampled chunk: n rows for a prompt that forks n samples.
+    row_counts: list[int]
+    prompt_logprobs: dict[str, torch.Tensor]  # request_id -> [chunk_len, vocab] logprobs
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, input_processor) -> None:
+        self.config = config
+        mc = config.model
+        self.device = mc.device
+        self.dtype = mc.dtype
+        self.block_size = config.cache.block_size
+        self.input_processor = input_processor
+        model_cls = get_model_class(mc.architecture)
+        max_positions = max(mc.max_model_len, getattr(mc.hf_config.get_text_config(), "max_position_embeddings", 0) or 0)
+        with _default_dtype(torch.float32), torch.device(self.device):
+            model = model_cls(mc.hf_config, max_positions)
+        model.load_checkpoint(Path(mc.path))
+        self.model = model.to(dtype=self.dtype).eval()
+        # The rotary table stays float32 (cast per use), like transformers.
+        self.model.language_model.rotary.float()
+        self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
+        self.sampler = Sampler()
+        self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_blocks(sched.block_copies)
+        # Decode tokens (chunks of one token) first, then prefill chunks.
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
+        input_ids, positions, slots, meta = self._prepare(order)
+        embeds = self.model.embed_tokens(input_ids)
+        self._merge_images(order, embeds)
+        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        # Logits only for the last position of chunks that complete their sequence.
+        sampled, rows, row_counts, last_rows = [], [], [], []
+        row = 0
+        prompt_lp: dict[str, torch.Tensor] = {}
+        for s in order:
+            group = s.seq.group
+            if group.params.prompt_logprobs is not None and s.seq.num_output_tokens == 0 and s.seq.index == 0:
+                prompt_lp[group.request_id] = self._chunk_logprobs(hidden[row:row + s.num_new_tokens])
+            row += s.num_new_tokens
+            if not s.samples:
+                continue
+            copies = 1 + s.seq.num_pending_forks
+            sampled.append(s)
+            row_counts.append(copies)
+            last_rows.extend([row - 1] * copies)
+            rows.extend(self._sampling_rows(s, copies))
+        if not sampled:
+            return ModelRunnerOutput([], None, [], prompt_lp)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return ModelRunnerOutput(sampled, self.sampler(logits, rows), row_counts, prompt_lp)
+
+    def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).log_softmax(dim=-1)
+
+    def _sampling_rows(self, s: ScheduledSeq, copies: int) -> list[SamplingRow]:
+        group = s.seq.group
+        rows = [SamplingRow(group.params, s.seq.generator, group.prompt_token_ids, s.seq.output_token_ids)]
+        # Pending forks (n > 1) draw their first token from the same logits row.
+        for child in group.pending_forks[: copies - 1]:
+            rows.append(SamplingRow(group.params, child.generator, group.prompt_token_ids, s.seq.output_token_ids))
+        return rows
+
+    # ------------------------------------------------------------------ batch preparation
+    def _prepare(self, order: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        slot_parts: list[torch.Tensor] = []
+        for s in order:
+            seq = s.seq
+            ids.extend(seq.token_ids[s.start:s.end])
+            p = torch.arange(s.start, s.end)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            pos.append(p)
+            slot_parts.append(table[p // bs] * bs + p % bs)
+            if s.num_new_tokens == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(s.end)
+            else:
+                prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens, s.end,
+                                             table.to(self.device)))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
+            for i, t in enumerate(decode_tables):
+                padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            meta.num_decode_tokens = len(decode_tables)
+            meta.decode_block_tables = padded.to(dev)
+            meta.decode_context_lens = lens.to(dev)
+            key_pos = torch.arange(width * bs)
+            meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :].to(dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.cat(pos).to(dev)
+        return input_ids, positions, meta.slot_mapping, meta
+
+    # ------------------------------------------------------------------ images
+    def _merge_images(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
+        """Scatter vision embeddings into the placeholder rows covered by this step."""
+        needs = [s for s in order if _overlaps_images(s)]
+        if not needs:
+            return
+        self._encode_missing([s.seq.group for s in needs])
+        dst_rows: list[torch.Tensor] = []
+        src_rows: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        base_row = 0
+        src_base = 0
+        for s in order:
+            if s in needs:
+                group = s.seq.group
+                image_base = 0
+                for offset, length in group.processed.placeholder_ranges:
+                    lo, hi = max(s.start, offset), min(s.end, offset + length)
+                    if lo < hi:
+                        dst_rows.append(torch.arange(lo - s.start, hi - s.start) + base_row)
+                        src_rows.append(torch.arange(lo - offset, hi - offset) + image_base + src_base)
+                    image_base += length
+                sources.append(group.image_embeds)
+                src_base += group.image_embeds.shape[0]
+            base_row += s.num_new_tokens
+        if dst_rows:
+            source = torch.cat(sources)
+            dst = torch.cat(dst_rows).to(self.device)
+            src = torch.cat(src_rows).to(self.device)
+            embeds.index_copy_(0, dst, source[src].to(embeds.dtype))
+
+    def _encode_missing(self, groups: list[SequenceGroup]) -> None:
+        todo = []
+        for g in dict.fromkeys(groups):  # unique, in order
+            if g.image_embeds is not None:
+                continue
+            if g.processed.image_embeds is not None:
+                g.image_embeds = g.processed.image_embeds.to(self.device, self.dtype).flatten(0, 1)
+                self._check_count(g)
+            else:
+                todo.append(g)
+        if not todo:
+            return
+        # Images of the whole step are encoded together, in one vision-tower call.
+        pixel_values = [self.input_processor.pixel_values(g.processed.images) for g in todo]
+        counts = [pv.shape[0] for pv in pixel_values]
+        batch = torch.cat(pixel_values).to(self.device, self.dtype)
+        features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]
+        self.num_vision_calls += batch.shape[0]
+        for g, part in zip(todo, features.split(counts)):
+            g.image_embeds = part.flatten(0, 1)
+            self._check_count(g)
+
+    @staticmethod
+    def _check_count(g: SequenceGroup) -> None:
+        expected = sum(length for _, length in g.processed.placeholder_ranges)
+        if g.image_embeds.shape[0] != expected:
+            got = g.image_embeds.shape[0]
+            g.image_embeds = None
+            raise ValueError(
+                f"request {g.request_id!r}: the images produced {got} embedding rows but the prompt has "
+                f"{expected} image placeholder tokens; refusing to misalign them"
+            )
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+
+def _overlaps_images(s: ScheduledSeq) -> bool:
+    for offset, length in s.seq.group.processed.placeholder_ranges:
+        if offset < s.end and s.start < offset + length:
+            return True
+    return False

@@ -1,0 +1,1 @@
+"""Model implementations (installed as `mmkit.models`): the registry, LLaVA, the Llama decoder."""

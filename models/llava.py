@@ -1,0 +1,73 @@
+"""LLaVA: vision tower (transformers' own) + projector + mmkit's paged Llama decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel
+from transformers.activations import ACT2FN
+
+from mmkit.layers.attention import AttentionMetadata
+from mmkit.models.llama import LlamaModel
+from mmkit.models.weight_utils import load_weights
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        layers = config.vision_feature_layer
+        num_feature_layers = 1 if isinstance(layers, int) else len(layers)
+        bias = bool(getattr(config, "multimodal_projector_bias", True))
+        text_hidden = config.text_config.hidden_size
+        self.linear_1 = nn.Linear(config.vision_config.hidden_size * num_feature_layers, text_hidden, bias=bias)
+        self.act = ACT2FN[config.projector_hidden_act]
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.language_model = LlamaModel(config.text_config, max_positions)
+        text = config.text_config
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(
+            getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
+        )
+
+    # ------------------------------------------------------------------ loading
+    def load_checkpoint(self, path: Path) -> None:
+        load_weights(self, path, self.tie_word_embeddings)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    # ------------------------------------------------------------------ vision
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, image_seq_length, text_hidden] (after the projector)."""
+        layer = self.config.vision_feature_layer
+        strategy = self.config.vision_feature_select_strategy
+        out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        feats = [out.hidden_states[i] for i in layers]
+        if strategy == "default":
+            feats = [f[:, 1:] for f in feats]  # drop CLS
+        return self.multi_modal_projector(torch.cat(feats, dim=-1))
+
+    # ------------------------------------------------------------------ text
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_seqs, hidden] (last positions only) -> [num_seqs, vocab] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,50 @@
+"""Maps HF `architectures[0]` to mmkit's implementation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# architecture -> (module under mmkit.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
+}
+# Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
+SUPPORTED_TEXT_MODELS = ("llama", "mistral")
+SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs and getattr(hf_config, "model_type", None) == "llava":
+        archs = ["LlavaForConditionalGeneration"]
+    arch = archs[0] if archs else None
+    if arch not in _MODELS:
+        raise ValueError(
+            f"model: architecture {arch!r} is not supported; supported architectures: "
+            f"{supported_architectures()}"
+        )
+    text_type = getattr(hf_config.get_text_config(), "model_type", None)
+    if text_type not in SUPPORTED_TEXT_MODELS:
+        raise ValueError(
+            f"model: {arch} with a {text_type!r} language model is not supported; supported "
+            f"language models: {list(SUPPORTED_TEXT_MODELS)}"
+        )
+    vision = getattr(hf_config, "vision_config", None)
+    vision_type = getattr(vision, "model_type", None)
+    if vision_type not in SUPPORTED_VISION_MODELS:
+        raise ValueError(
+            f"model: {arch} with a {vision_type!r} vision tower is not supported; supported vision "
+            f"towers: {list(SUPPORTED_VISION_MODELS)}"
+        )
+    return arch
+
+
+def get_model_class(architecture: str):
+    import importlib
+
+    module_name, class_name = _MODELS[architecture]
+    return getattr(importlib.import_module(module_name), class_name)
