@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random LLaVA checkpoints built offline, and HF reference runs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoids 20-100x spin slowdowns
+
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+torch.set_num_threads(int(os.environ.get("MMKIT_TEST_THREADS", "2")))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_llava import build_tiny_llava, rewrite_hub_layout  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """Multi-head attention, untied embeddings."""
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny_mha"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def gqa_tied_ckpt(tmp_path_factory) -> Path:
+    """Grouped-query attention (4 heads, 2 KV heads) with tied embeddings."""
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny_gqa"), seed=1, num_kv_heads=2,
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def hub_ckpt(gqa_tied_ckpt, tmp_path_factory) -> Path:
+    """The GQA checkpoint rewritten in the hub's layout (old keys, rope_theta, fp16, 2 shards)."""
+    return rewrite_hub_layout(gqa_tied_ckpt, tmp_path_factory.mktemp("tiny_hub"))
+
+
+def make_image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
+
+
+def pil_to_tensor(img: Image.Image) -> torch.Tensor:
+    """[3, H, W] uint8."""
+    return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+@lru_cache(maxsize=8)
+def _hf_model(path: str):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(path)
+
+
+def hf_greedy(path, prompt=None, images=None, input_ids=None, max_new_tokens=16) -> list[int]:
+    """transformers' own greedy generate: the reference for every parity test."""
+    model, processor = _hf_model(str(path))
+    if prompt is not None:
+        inputs = processor(text=prompt, images=images, return_tensors="pt")
+    else:
+        inputs = {"input_ids": torch.tensor([input_ids]), "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
+        if images is not None:
+            inputs["pixel_values"] = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@lru_cache(maxsize=16)
+def _cached_llm(path: str, device: str, extra: tuple):
+    from mmkit import LLM
+
+    return LLM(path, dtype="float32", device=device, **dict(extra))
+
+
+def get_llm(path, device="cpu", **kwargs):
+    """One LLM per (checkpoint, device, kwargs) for the whole session."""
+    return _cached_llm(str(path), device, tuple(sorted(kwargs.items())))
