@@ -1,7 +1,9 @@
 """mmkit: offline inference for LLaVA-style vision-language models on a paged KV cache."""
 
 from mmkit.config import EngineArgs
+from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.engine.llm_engine import LLMEngine
+from mmkit.errors import EngineDeadError
 from mmkit.inputs import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
 from mmkit.llm import LLM
 from mmkit.outputs import CompletionOutput, Logprob, RequestOutput
@@ -19,5 +21,7 @@ __all__ = [
     "Logprob",
     "EngineArgs",
     "LLMEngine",
+    "AsyncLLMEngine",
+    "EngineDeadError",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
+from mmkit.errors import RequestError
 from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
 from mmkit.outputs import RequestOutput
@@ -98,6 +99,9 @@ class LLM:
                 engine.add_processed(rid, processed, params)
                 added.append(rid)
             self._drive(set(ids), results, use_tqdm)
+        except RequestError as exc:
+            engine.abort_request(added)
+            raise (exc.__cause__ or exc)
         except BaseException:
             # Includes KeyboardInterrupt: the engine must not keep half a batch.
             engine.abort_request(added)

@@ -31,7 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until EOS, a stop condition or max_model_len
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -41,10 +41,8 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings", allow_str=True)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
         self._validate()
         if self.top_k == 0:
             self.top_k = -1
@@ -66,9 +64,10 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty: got {self.repetition_penalty!r}; expected a finite value > 0"
             )
-        _int_at_least("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens: got {self.min_tokens}; expected min_tokens <= max_tokens ({self.max_tokens})"
             )
@@ -101,6 +100,16 @@ class SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _as_list(name: str, value: Any, expected: str, allow_str: bool = False) -> list:
+    if value is None:
+        return []
+    if allow_str and isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: got {value!r} ({type(value).__name__}); expected {expected}")
+    return list(value)
 
 
 def _is_number(value: Any) -> bool:

@@ -31,8 +31,11 @@ def decode_incrementally(tokenizer, seq: Sequence, params: SamplingParams) -> st
     if not new_text.startswith(prefix_text):
         # A merge changed earlier text (rare); fall back to a full decode for correctness.
         full = _decode(tokenizer, ids, params)
-        delta = full[len(seq.output_text):] if full.startswith(seq.output_text) else ""
-        seq.output_text = full
+        if full.startswith(seq.output_text):
+            delta = full[len(seq.output_text):]
+            seq.output_text = full
+        else:
+            delta = ""  # never rewrite streamed text; the final flush makes it exact
     else:
         delta = new_text[len(prefix_text):]
         seq.output_text += delta
@@ -69,4 +72,4 @@ def visible_text(seq: Sequence, params: SamplingParams, finished: bool) -> str:
     if finished or not params.stop or params.include_stop_str_in_output:
         return seq.output_text
     hold = max(len(s) for s in params.stop) - 1
-    return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text
+    return seq.output_text[: max(0, len(seq.output_text) - hold)]

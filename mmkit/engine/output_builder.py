@@ -40,7 +40,7 @@ def prompt_logprobs_for(tokenizer, group: SequenceGroup, start: int, lp: torch.T
     k = group.params.prompt_logprobs
     if group.prompt_logprobs is None:
         group.prompt_logprobs = [None]
-    top = lp.topk(k, dim=-1) if k else None
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
     for i in range(lp.shape[0]):
         pos = start + i + 1
         if pos >= len(prompt) or pos < len(group.prompt_logprobs):
@@ -68,7 +68,7 @@ def check_stop(seq: Sequence, tokenizer, max_model_len: int, num_new_chars: int)
             return SequenceStatus.FINISHED_STOPPED
         if params.stop and detokenizer.find_stop_string(seq, params, num_new_chars):
             return SequenceStatus.FINISHED_STOPPED
-    if num_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= max_model_len:
         detokenizer.flush(tokenizer, seq, params, drop_last=False)
         return SequenceStatus.FINISHED_LENGTH
     return None

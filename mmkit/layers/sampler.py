@@ -34,37 +34,49 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None
 
 
-def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _row_token_index(rows: list[SamplingRow], lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row, token) index tensors for one token list per row."""
+    row_idx = [i for i, ids in enumerate(lists) for _ in ids]
+    tok_idx = [t for ids in lists for t in ids]
+    return (torch.tensor(row_idx, dtype=torch.long, device=device),
+            torch.tensor(tok_idx, dtype=torch.long, device=device))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (transformers: over prompt and output tokens), then frequency and presence
+    (vLLM: `logits -= frequency * count + presence * (count > 0)`, output tokens only).
+    Returns a new tensor."""
     num_rows, vocab = logits.shape
     device = logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
-    counts = torch.zeros(num_rows, vocab, device=device)
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        if r.output_token_ids:
-            ids = torch.tensor(r.output_token_ids, device=device)
-            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
-        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
-            seen[i, torch.tensor(r.prompt_token_ids, device=device)] = True
-    seen |= counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=device)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=device)
+    counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=device)
+    r_idx, t_idx = _row_token_index(rows, [r.output_token_ids for r in rows], device)
+    counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=logits.dtype), accumulate=True)
+    seen = counts > 0
+    r_idx, t_idx = _row_token_index(
+        rows, [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows], device)
+    seen[r_idx, t_idx] = True
     # transformers' RepetitionPenaltyLogitsProcessor: divide positive, multiply negative.
-    penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+    penalized = torch.where(logits < 0, logits * rep[:, None], logits / rep[:, None])
     logits = torch.where(seen, penalized, logits)
     # vLLM's OpenAI-style penalties over output tokens.
-    logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
-    return logits
+    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    for i, r in enumerate(rows):
+    """Ban EOS (unless ignore_eos) and the stop token ids of rows below min_tokens."""
+    banned = []
+    for r in rows:
+        ids: list[int] = []
         if len(r.output_token_ids) < r.params.min_tokens:
-            banned = list(r.params.stop_token_ids)
+            ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
-                banned += list(r.params.eos_token_ids)
-            if banned:
-                logits[i, torch.tensor(banned, device=logits.device)] = float("-inf")
+                ids += list(r.params.eos_token_ids)
+        banned.append([t for t in ids if t < logits.shape[-1]])
+    r_idx, t_idx = _row_token_index(rows, banned, logits.device)
+    logits[r_idx, t_idx] = float("-inf")
     return logits
 
 
@@ -93,10 +105,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        # logits: [num_rows, vocab] float32
+        # logits: [num_rows, vocab]; sampled in float32 whatever the model dtype.
+        logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1)
         if any(r.params.has_penalties for r in rows):
-            logits = _penalize(logits, rows)
+            logits = apply_penalties(logits, rows)
         if any(r.params.min_tokens for r in rows):
             logits = _mask_min_tokens(logits.clone(), rows)
         token_ids = logits.argmax(dim=-1)
@@ -109,7 +122,7 @@ class Sampler:
         wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if wants:
             out.ranks = ((raw_logprobs > sampled_lp[:, None]).sum(dim=-1) + 1).tolist()
-            k = max(wants)
+            k = min(max(wants), raw_logprobs.shape[-1])
             if k > 0:
                 top = raw_logprobs.topk(k, dim=-1)
                 out.top_ids = top.indices.tolist()
@@ -125,9 +138,14 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in rows], device=device)
         logits = filter_logits(logits / temperature[:, None], top_k, top_p, min_p)
         probs = logits.softmax(dim=-1)
+        # Exponential-race draw: argmax(probs / Exp(1)) is a categorical sample of probs.
+        # Each row's noise comes from that row's own generator, so a seeded request draws
+        # the same numbers whatever else is in the batch (rows without one share a call).
         noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
         for i, r in enumerate(rows):
-            # NOTE: one draw per row from that row's own generator keeps seeded requests
-            # independent of the batch they land in.
-            noise[i].exponential_(generator=r.generator)
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)

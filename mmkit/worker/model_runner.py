@@ -16,6 +16,7 @@ import torch
 from mmkit.config import EngineConfig
 from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mmkit.engine.sequence import SequenceGroup
+from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.models.registry import get_model_class
@@ -189,7 +190,12 @@ class ModelRunner:
         if not todo:
             return
         # Images of the whole step are encoded together, in one vision-tower call.
-        pixel_values = [self.input_processor.pixel_values(g.processed.images) for g in todo]
+        pixel_values = []
+        for g in todo:
+            try:
+                pixel_values.append(self.input_processor.pixel_values(g.processed.images))
+            except Exception as exc:  # noqa: BLE001 - attributed to the one request
+                raise RequestError([g.request_id], f"request {g.request_id!r}: image processing failed: {exc}") from exc
         counts = [pv.shape[0] for pv in pixel_values]
         batch = torch.cat(pixel_values).to(self.device, self.dtype)
         features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]

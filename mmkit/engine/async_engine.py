@@ -1,0 +1,224 @@
+"""AsyncLLMEngine: a background loop over `LLMEngine` that streams `RequestOutput`s.
+
+The loop lives in the caller's event loop (started lazily on the first `generate`); each
+engine step runs on one daemon worker thread, so the event loop stays responsive while the
+model computes and nothing keeps the interpreter from exiting. Requests are added and
+aborted only between steps, from the event loop, so the engine is never touched by two
+threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable
+
+from mmkit.config import EngineArgs
+from mmkit.engine.llm_engine import LLMEngine
+from mmkit.errors import EngineDeadError, RequestError
+from mmkit.inputs import parse_prompt
+from mmkit.outputs import RequestOutput
+from mmkit.sampling_params import SamplingParams
+
+_END = object()  # stream sentinel: the request was aborted
+
+
+class _StepWorker:
+    """One daemon thread that runs engine steps for the event loop."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="mmkit-engine", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, loop, future = job
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting loop
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+    def run(self, fn: Callable[[], Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class AsyncLLMEngine:
+    """`async for out in engine.generate(inputs, params, request_id)` streams cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[tuple[str, Any, SamplingParams]] = []
+        self._pending_aborts: set[str] = set()
+        self._worker: _StepWorker | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._dead: BaseException | None = None
+        self._shutdown = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    async def generate(self, inputs: Any, sampling_params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Add one request and yield its progress; the last output has `finished=True`.
+
+        Leaving the loop early or cancelling the task aborts the request.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
+        # Validation runs here, so a bad input raises to this caller only.
+        parsed = parse_prompt(0, inputs)
+        processed, params = self.engine.process_request(request_id, parsed, sampling_params)
+        self._ensure_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._pending_adds.append((request_id, processed, params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the background loop and its worker thread."""
+        self._shutdown = True
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError("the engine was shut down"))
+        self._streams.clear()
+
+    async def get_metrics(self) -> dict[str, int]:
+        return self.engine.get_metrics()
+
+    # ------------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop failed earlier ({self._dead!r}); rebuild the engine") \
+                from self._dead
+        if self._shutdown:
+            raise EngineDeadError("the engine was shut down")
+
+    def _abort_now(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.put_nowait(_END)
+        self._pending_aborts.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self.is_running:
+            return
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        if self._worker is None:
+            self._worker = _StepWorker()
+        self._loop_task = loop.create_task(self._run_loop(), name="mmkit-engine-loop")
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id, processed, params in adds:
+            if request_id in self._pending_aborts or request_id not in self._streams:
+                continue
+            self.engine.add_processed(request_id, processed, params)
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        self.engine.abort_request(aborts)
+
+    async def _run_loop(self) -> None:
+        try:
+            while not self._shutdown:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    outputs = await self._worker.run(self.engine.step)
+                except RequestError as exc:
+                    self._fail_requests(exc)
+                    continue
+                self._deliver(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
+            self._dead = exc
+            error = EngineDeadError(f"the engine loop failed: {exc!r}")
+            error.__cause__ = exc
+            for stream in self._streams.values():
+                stream.put_nowait(error)
+            self._streams.clear()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_requests(self, exc: RequestError) -> None:
+        """An error that belongs to some requests (e.g. an image that fails to load)."""
+        self.engine.abort_request(exc.request_ids)
+        for rid in exc.request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put_nowait(exc.__cause__ or exc)
