@@ -56,6 +56,7 @@ class CacheConfig:
     kv_cache_memory: int | None  # bytes
     gpu_memory_utilization: float
     enable_prefix_caching: bool
+    encoder_cache_memory: int  # bytes of vision embeddings kept across calls (0 = off)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: {"image": 8})
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    encoder_cache_memory: int = 256 << 20
     tokenizer: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -110,6 +112,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
+            encoder_cache_memory=self.encoder_cache_memory,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -134,6 +137,9 @@ class EngineArgs:
             raise ValueError(f"device: got {self.device!r}; expected one of {list(_DEVICES)}")
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
+        if isinstance(self.encoder_cache_memory, bool) or not isinstance(self.encoder_cache_memory, int) \
+                or self.encoder_cache_memory < 0:
+            raise ValueError(f"encoder_cache_memory: got {self.encoder_cache_memory!r}; expected bytes >= 0")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None:

@@ -71,10 +71,12 @@ class ImageItem:
     source: Any  # PIL.Image.Image or a CHW torch tensor
     width: int
     height: int
+    where: str = "image"  # e.g. "inputs[3].multi_modal_data[1]", for error messages
 
     def to_pil(self) -> Image.Image:
+        """The image as PIL; a lazily opened file that fails to decode is a `ValueError`."""
         if isinstance(self.source, Image.Image):
-            return self.source
+            return self._loaded_pil(self.source)
         pixels = self.source
         if pixels.dtype != torch.uint8:
             pixels = torch.round(pixels.double() * 255).to(torch.uint8)
@@ -82,6 +84,18 @@ class ImageItem:
         if array.shape[2] == 1:
             return Image.fromarray(array[:, :, 0], mode="L")
         return Image.fromarray(array, mode="RGB")
+
+    def _loaded_pil(self, img: Image.Image) -> Image.Image:
+        # A lazily opened file (Image.open) decodes on first load; its errors name the input.
+        try:
+            img.load()
+        except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ...
+            name = getattr(img, "filename", "") or "PIL image"
+            raise ValueError(
+                f"{self.where}: image '{name}' could not be decoded ({type(exc).__name__}: {exc}); "
+                "expected a complete, readable image"
+            ) from exc
+        return img
 
 
 @dataclass
@@ -229,7 +243,11 @@ def _pil_item(where: str, img: Image.Image) -> ImageItem:
             f"{where}: got a {width}x{height} image ({width * height} pixels); expected at most "
             f"{MAX_IMAGE_PIXELS} pixels (decompression-bomb limit)"
         )
-    return ImageItem(source=img, width=width, height=height)
+    item = ImageItem(source=img, width=width, height=height, where=where)
+    # NOTE: decode now (a no-op for an image already in memory): a lazily opened, truncated
+    # file must fail here, before any request of the call is added, not in a later step.
+    item.to_pil()
+    return item
 
 
 def _tensor_items(where: str, data: torch.Tensor, allow_batch: bool) -> list[ImageItem]:
@@ -238,6 +256,14 @@ def _tensor_items(where: str, data: torch.Tensor, allow_batch: bool) -> list[Ima
     elif data.dim() != 4 or not allow_batch:
         expected = "NCHW or CHW" if allow_batch else "CHW"
         raise ValueError(f"{where}: got a tensor of shape {tuple(data.shape)}; expected {expected}")
+    if data.shape[0] == 0:
+        raise ValueError(f"{where}: got a tensor of shape {tuple(data.shape)} (no image); expected N >= 1 "
+                         "images in NCHW layout")
+    if data.is_complex() or data.dtype == torch.bool:
+        raise TypeError(
+            f"{where}: got a tensor of dtype {data.dtype}; expected uint8 (0-255) or "
+            "float16/bfloat16/float32/float64 (0-1)"
+        )
     if data.shape[1] not in (1, 3):
         raise ValueError(
             f"{where}: got {data.shape[1]} channels in shape {tuple(data.shape)}; expected 1 or 3 "
@@ -262,7 +288,10 @@ def _tensor_items(where: str, data: torch.Tensor, allow_batch: bool) -> list[Ima
             f"{where}: got a tensor of dtype {data.dtype}; expected uint8 (0-255) or "
             "float16/bfloat16/float32/float64 (0-1)"
         )
-    return [ImageItem(source=img, width=width, height=height) for img in data.detach()]
+    if data.shape[0] == 1:
+        return [ImageItem(source=data[0].detach(), width=width, height=height, where=where)]
+    return [ImageItem(source=img, width=width, height=height, where=f"{where}[{i}]")
+            for i, img in enumerate(data.detach())]
 
 
 def _parse_embeds(where: str, data: Any) -> torch.Tensor:

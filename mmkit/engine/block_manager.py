@@ -1,13 +1,19 @@
-"""BlockManager: fixed-size KV blocks, a free list, ref counts and copy-on-write.
+"""BlockManager: fixed-size KV blocks, a free list, ref counts, copy-on-write and the
+prefix cache.
 
 A block holds `block_size` consecutive token positions of one sequence (for every layer).
 Sequences forked from one prompt (n > 1) share the prompt's blocks; a shared block is
 copied before a sequence writes into it.
+
+Prefix caching: a full block gets a hash chaining its parent's hash, its token ids and,
+where it covers image placeholders, each image's content hash and offset (placeholder ids
+are the same for every image). A freed block keeps its hash and stays reusable until it is
+taken again; the free list is ordered least recently used first, so eviction is LRU.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from mmkit.engine.sequence import Sequence
 
@@ -17,16 +23,28 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # NOTE: every block with ref count 0 is in `free_blocks` (oldest first); some of
+        # them still carry a hash and can be revived by a prefix-cache hit.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.ref_counts: list[int] = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.num_cache_queries = 0  # tokens looked up
+        self.num_cache_hits = 0  # tokens found
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks not held by a live sequence (evictable cached blocks count as free)."""
+        return len(self.free_blocks)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        return list(self.free_blocks)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take from the free list so `seq` can write `num_new_tokens` more tokens."""
@@ -38,6 +56,70 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ------------------------------------------------------------------ prefix cache
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence that has computed nothing.
+
+        At least one token is always left to compute (its logits are needed).
+        """
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate_with_prefix(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        end = len(hits) * self.block_size + num_new_tokens
+        fresh = blocks_needed(end, self.block_size) - len(hits)
+        return revived + fresh <= self.num_free_blocks
+
+    def use_cached_prefix(self, seq: Sequence, hits: list[int], num_queried: int) -> None:
+        """Give `seq` the cached blocks and mark their tokens computed."""
+        self.num_cache_queries += num_queried
+        self.num_cache_hits += len(hits) * self.block_size
+        for block_id in hits:
+            if self.ref_counts[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def register_full_blocks(self, seq: Sequence, num_computed: int) -> list[int]:
+        """Publish the hashes of `seq`'s blocks that are full once `num_computed` tokens are.
+
+        Called when a step is scheduled: a later sequence of the same step may already hit
+        these blocks, because every layer writes the step's K/V before it attends. Returns
+        the newly published blocks (`forget` them if the step fails).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        num_full = min(num_computed // self.block_size, len(seq.block_hashes))
+        published = []
+        for i in range(num_full):
+            block_id = seq.block_table[i]
+            block_hash = seq.block_hashes[i]
+            if self.block_hash[block_id] is not None or block_hash in self.cached:
+                continue  # already published, or an identical block is: this one stays private
+            self.block_hash[block_id] = block_hash
+            self.cached[block_hash] = block_id
+            published.append(block_id)
+        return published
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Unpublish blocks whose K/V was never computed (the step that would fill them failed)."""
+        for block_id in block_ids:
+            block_hash = self.block_hash[block_id]
+            if block_hash is not None:
+                self.block_hash[block_id] = None
+                if self.cached.get(block_hash) == block_id:
+                    del self.cached[block_hash]
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -64,6 +146,7 @@ class BlockManager:
             self.ref_counts[block_id] += 1
 
     def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so the head of a prefix (shared most often) is evicted last.
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []
@@ -74,10 +157,15 @@ class BlockManager:
         return idx < len(seq.block_table) and self.ref_counts[seq.block_table[idx]] > 1
 
     def _take(self) -> int:
-        if not self.free_block_ids:
+        if not self.free_blocks:
             raise RuntimeError("BlockManager: out of KV blocks (the scheduler should have preempted)")
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_blocks.popitem(last=False)  # least recently used
         assert self.ref_counts[block_id] == 0, f"block {block_id} on the free list is referenced"
+        old_hash = self.block_hash[block_id]
+        if old_hash is not None:  # evict
+            self.block_hash[block_id] = None
+            if self.cached.get(old_hash) == block_id:
+                del self.cached[old_hash]
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -87,4 +175,4 @@ class BlockManager:
             raise RuntimeError(f"BlockManager: block {block_id} freed twice")
         self.ref_counts[block_id] = count - 1
         if count == 1:
-            self.free_block_ids.append(block_id)
+            self.free_blocks[block_id] = None

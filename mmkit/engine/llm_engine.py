@@ -28,14 +28,13 @@ class LLMEngine:
                                                    config.limit_mm_per_prompt)
         self.tokenizer = self.input_processor.tokenizer
         self.model_runner = ModelRunner(config, self.input_processor)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.groups: dict[str, SequenceGroup] = {}
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                      "encoder_cache_hits": 0, "encoder_cache_misses": 0}
+        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -125,7 +124,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         touched: dict[str, SequenceGroup] = {s.group.request_id: s.group for s in sched.out_of_cache}
         if not sched.is_empty:
-            result = self.model_runner.execute_model(sched)
+            try:
+                result = self.model_runner.execute_model(sched)
+            except BaseException:
+                self.block_manager.forget(sched.published_blocks)
+                raise
             for s in sched.scheduled:
                 s.seq.num_computed_tokens = s.end
                 touched[s.seq.group.request_id] = s.seq.group
@@ -171,6 +174,7 @@ class LLMEngine:
         for child in children:
             child.token_ids = list(parent.token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
             self.block_manager.fork(parent, child)
             group.seqs.append(child)
             self.scheduler.add_running(child)
@@ -180,6 +184,10 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, int]:
         metrics = dict(self.stats)
         metrics["num_preemptions"] = self.scheduler.num_preemptions
+        metrics["prefix_cache_queries"] = self.block_manager.num_cache_queries
+        metrics["prefix_cache_hits"] = self.block_manager.num_cache_hits
+        metrics["encoder_cache_hits"] = self.model_runner.encoder_cache.num_hits
+        metrics["encoder_cache_misses"] = self.model_runner.encoder_cache.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
         return metrics

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from mmkit.hashing import update_block_hashes
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    published_blocks: list[int] = field(default_factory=list)  # prefix-cache entries of this step
     # Sequences that could not get one more block even alone in the cache: finished "length".
     out_of_cache: list[Sequence] = field(default_factory=list)
 
@@ -106,8 +108,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             if not self._make_room(seq, num_new, out, scheduled_ids):
                 continue  # `seq` itself was preempted or finished; running[i] is the next one
-            out.block_copies.extend(self.block_manager.allocate(seq, num_new))
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._allocate(seq, num_new, out)
             scheduled_ids.add(seq.seq_id)
             token_budget -= num_new
             i += 1
@@ -141,16 +142,34 @@ class Scheduler:
         self.num_preemptions += 1
         out.num_preempted += 1
 
+    def _allocate(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        out.block_copies.extend(bm.allocate(seq, num_new))
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        if bm.enable_prefix_caching:
+            update_block_hashes(seq, bm.block_size)
+            out.published_blocks.extend(bm.register_full_blocks(seq, seq.num_computed_tokens + num_new))
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        bm = self.block_manager
+        # Prompt logprobs need the logits of every prompt position: no skipping for them.
+        if not bm.enable_prefix_caching or seq.group.params.prompt_logprobs is not None:
+            return []
+        update_block_hashes(seq, bm.block_size)
+        return bm.find_cached_prefix(seq)
+
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            hits = self._cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, token_budget)
+            if not self.block_manager.can_allocate_with_prefix(seq, hits, num_new):
                 break
             self.waiting.popleft()
-            out.block_copies.extend(self.block_manager.allocate(seq, num_new))
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            self._allocate(seq, num_new, out)
             token_budget -= num_new
         return token_budget

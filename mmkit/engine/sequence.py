@@ -53,6 +53,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block
     # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
     # produces all n first tokens; the other n - 1 sequences are forked from this one.
     num_pending_forks: int = 0
@@ -107,7 +108,7 @@ class SequenceGroup:
     # join `seqs` only when forked from seqs[0] after its prefill.
     pending_forks: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    output_cursor: int = 0  # for streaming: outputs already reported
+    image_hashes: list[str] | None = None  # content hash per image, computed on first use
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -117,6 +118,16 @@ class SequenceGroup:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs) and not self.pending_forks
+
+    def get_image_hashes(self) -> list[str]:
+        if self.image_hashes is None:
+            from mmkit.hashing import embeds_content_hash, image_content_hash
+
+            if self.processed.image_embeds is not None:
+                self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
+            else:
+                self.image_hashes = [image_content_hash(item) for item in self.processed.images]
+        return self.image_hashes
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -20,6 +20,7 @@ from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.models.registry import get_model_class
+from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
 
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
         self.sampler = Sampler()
+        self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
 
     # ------------------------------------------------------------------ the step
@@ -178,31 +180,53 @@ class ModelRunner:
             embeds.index_copy_(0, dst, source[src].to(embeds.dtype))
 
     def _encode_missing(self, groups: list[SequenceGroup]) -> None:
-        todo = []
+        """Fill `group.image_embeds` for groups about to prefill image tokens.
+
+        Identical images (same content hash) are encoded once per step and, through the
+        encoder cache, once across steps and calls; all misses of a step go through the
+        vision tower together.
+        """
+        cache = self.encoder_cache
+        todo: dict[str, object] = {}  # content hash (or unique key) -> ImageItem to encode
+        plans: list[tuple[SequenceGroup, list[str]]] = []
         for g in dict.fromkeys(groups):  # unique, in order
             if g.image_embeds is not None:
                 continue
             if g.processed.image_embeds is not None:
                 g.image_embeds = g.processed.image_embeds.to(self.device, self.dtype).flatten(0, 1)
                 self._check_count(g)
-            else:
-                todo.append(g)
+                continue
+            keys = g.get_image_hashes() if cache.enabled else [f"{g.request_id}/{i}" for i in range(len(g.processed.images))]
+            for key, item in zip(keys, g.processed.images):
+                if cache.get(key) is not None or key in todo:
+                    cache.num_hits += 1
+                else:
+                    cache.num_misses += 1
+                    todo[key] = (g, item)
+            plans.append((g, keys))
+        fresh = self._encode(todo)
+        for g, keys in plans:
+            parts = [fresh[k] if k in fresh else cache.get(k) for k in keys]
+            g.image_embeds = torch.cat(parts)  # [num_images * image_seq_length, hidden]
+            self._check_count(g)
+
+    def _encode(self, todo: dict) -> dict[str, torch.Tensor]:
         if not todo:
-            return
-        # Images of the whole step are encoded together, in one vision-tower call.
+            return {}
         pixel_values = []
-        for g in todo:
+        for g, item in todo.values():
             try:
-                pixel_values.append(self.input_processor.pixel_values(g.processed.images))
+                pixel_values.append(self.input_processor.pixel_values([item]))
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
                 raise RequestError([g.request_id], f"request {g.request_id!r}: image processing failed: {exc}") from exc
-        counts = [pv.shape[0] for pv in pixel_values]
         batch = torch.cat(pixel_values).to(self.device, self.dtype)
         features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]
         self.num_vision_calls += batch.shape[0]
-        for g, part in zip(todo, features.split(counts)):
-            g.image_embeds = part.flatten(0, 1)
-            self._check_count(g)
+        fresh = {}
+        for key, feats in zip(todo, features):
+            fresh[key] = feats
+            self.encoder_cache.put(key, feats)
+        return fresh
 
     @staticmethod
     def _check_count(g: SequenceGroup) -> None:
