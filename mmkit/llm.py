@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from mmkit.chat import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.errors import RequestError
@@ -68,6 +69,27 @@ class LLM:
         parsed = parse_inputs(inputs)
         params_list = self._params_list(sampling_params, len(parsed))
         return self._run(parsed, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations.
+
+        Messages are OpenAI-style: `{"role": "user", "content": "text"}` or content as a list
+        of parts `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..." | "path/or/file://url" | "https://..."}}`,
+        `{"type": "image", "image": PIL.Image}`. Rendered with the checkpoint's chat template
+        (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
+        """
+        processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
+        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt)
+        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
     def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:

@@ -263,3 +263,12 @@ def test_decode_incrementally_sentencepiece_style():
     assert texts[-1] == text  # leading spaces of later pieces are kept
     assert all(b.startswith(a) and FFFD not in b for a, b in zip(texts, texts[1:]))
     assert "hello world" in texts[ids.index(tok.convert_tokens_to_ids("▁w")) + 5]
+
+
+def test_stop_strings_are_not_checked_before_min_tokens(llm):
+    tok = llm.get_tokenizer()
+    ids = greedy(llm, STORY).token_ids
+    j = next(j for j, t in enumerate(ids) if len(tok.decode([t])) >= 2 and FFFD not in tok.decode([t]))
+    stop = tok.decode([ids[j]])
+    out = greedy(llm, STORY, stop=stop, min_tokens=j + 3, max_tokens=40)
+    assert len(out.token_ids) >= j + 3 and out.token_ids[:j + 1] == ids[:j + 1]

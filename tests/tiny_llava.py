@@ -58,14 +58,17 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                      tie_word_embeddings: bool = False, text_layers: int = 2, hidden: int = 64,
                      num_heads: int = 4, image_size: int = 32, patch_size: int = 8,
                      max_position_embeddings: int = 512, init_std: float = 0.08,
-                     intermediate: int | None = None, vocab_size: int = 384) -> Path:
+                     intermediate: int | None = None, vocab_size: int = 384, tokenizer=None) -> Path:
     """Save a random LLaVA (CLIP tower + projector + Llama decoder) with its processor."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, GenerationConfig, LlamaConfig,
                               LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(out, vocab_size)
+    else:
+        tokenizer.save_pretrained(out)
     vocab = len(tokenizer)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,0 +1,106 @@
+"""OpenAI-style chat messages -> prompts rendered with the checkpoint's chat template.
+
+A message's content is a string or a list of parts: `{"type": "text", "text": ...}`,
+`{"type": "image_url", "image_url": {"url": ...}}` (a `data:image/...;base64,` URI, a local
+path, a `file://` URL or http(s)) and `{"type": "image", "image": PIL.Image}`. Images are
+collected in order of appearance; the template places one image placeholder per image part.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from PIL import Image
+
+from mmkit.image_io import load_image
+
+Conversation = list[dict[str, Any]]
+_ROLES = ("system", "user", "assistant")
+
+
+def is_conversation_list(messages: Any) -> bool:
+    """A list of conversations (lists of messages), as opposed to one conversation."""
+    return isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
+        isinstance(m, (list, tuple)) for m in messages)
+
+
+def parse_conversation(index: int, messages: Any) -> tuple[Conversation, list[Image.Image]]:
+    """Validate one conversation; return it in the HF template's form and its images."""
+    where = f"messages[{index}]"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{where}: got {type(messages).__name__}; expected a non-empty list of messages")
+    conversation: Conversation = []
+    images: list[Image.Image] = []
+    for m, message in enumerate(messages):
+        mwhere = f"{where}[{m}]"
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"{mwhere}: got {message!r:.80}; expected a dict with 'role' and 'content'")
+        role = message["role"]
+        if role not in _ROLES:
+            raise ValueError(f"{mwhere}.role: got {role!r}; expected one of {list(_ROLES)}")
+        content = message["content"]
+        if isinstance(content, str):
+            conversation.append({"role": role, "content": [{"type": "text", "text": content}]})
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise TypeError(f"{mwhere}.content: got {type(content).__name__}; expected a string or a list of parts")
+        parts = []
+        for p, part in enumerate(content):
+            parts.append(_parse_part(f"{mwhere}.content[{p}]", part, images))
+        conversation.append({"role": role, "content": parts})
+    return conversation, images
+
+
+def _parse_part(where: str, part: Any, images: list[Image.Image]) -> dict[str, Any]:
+    if not isinstance(part, dict) or "type" not in part:
+        raise ValueError(f"{where}: got {part!r:.80}; expected a dict with a 'type'")
+    kind = part["type"]
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise TypeError(f"{where}.text: got {type(text).__name__}; expected str")
+        return {"type": "text", "text": text}
+    if kind == "image_url":
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str):
+            raise ValueError(f"{where}.image_url: got {spec!r:.80}; expected {{'url': 'data:...|path|file://...|https://...'}}")
+        images.append(load_image(url, where=where))
+        return {"type": "image"}
+    if kind == "image":
+        img = part.get("image")
+        if not isinstance(img, Image.Image):
+            raise TypeError(f"{where}.image: got {type(img).__name__}; expected a PIL image")
+        images.append(img)
+        return {"type": "image"}
+    raise ValueError(f"{where}.type: got {kind!r}; expected 'text', 'image_url' or 'image'")
+
+
+def render(processor, conversation: Conversation, chat_template: str | None, add_generation_prompt: bool) -> str:
+    """Apply the chat template (the checkpoint's, or the one given) to one conversation."""
+    template = chat_template or getattr(processor, "chat_template", None) \
+        or getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+    if template is None:
+        raise ValueError(
+            "chat_template: the checkpoint has no chat template; pass chat_template=... to LLM.chat"
+        )
+    return processor.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def conversations_to_inputs(processor, messages: Any, chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> list[dict[str, Any]]:
+    """One conversation or a list of them -> `generate` inputs (prompt + its images)."""
+    conversations: Sequence[Any] = messages if is_conversation_list(messages) else [messages]
+    inputs = []
+    for i, conv in enumerate(conversations):
+        parsed, images = parse_conversation(i, conv)
+        prompt = render(processor, parsed, chat_template, add_generation_prompt)
+        bos = getattr(getattr(processor, "tokenizer", processor), "bos_token", None)
+        if bos and prompt.startswith(bos):
+            prompt = prompt[len(bos):]  # tokenization adds BOS itself; never twice
+        item: dict[str, Any] = {"prompt": prompt}
+        if images:
+            item["multi_modal_data"] = {"image": images}
+        inputs.append(item)
+    return inputs

@@ -1,0 +1,261 @@
+"""Batch image+question evaluation: dataset reading, answer matching, resumable results.
+
+The results file holds one JSON line per item, each written whole and flushed, so a run
+killed at any moment loses at most the items in flight; rerunning with the same results
+file skips the finished ones. The summary goes to its own JSON file beside it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import string
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+_TRAILING = string.punctuation + " \t\n"
+
+
+@dataclass
+class EvalItem:
+    index: int
+    image: str  # path as written in the data file
+    image_path: Path  # resolved relative to the data file
+    question: str
+    answers: list[str] | None
+    qtype: str | None
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, no surrounding space, no trailing punctuation."""
+    return text.strip().lower().rstrip(_TRAILING).strip()
+
+
+def is_correct(answer: str, references: list[str]) -> bool:
+    return any(normalize_answer(answer) == normalize_answer(ref) for ref in references)
+
+
+def read_dataset(path: str | Path) -> list[EvalItem]:
+    """JSONL or CSV with `image`, `question`, optional `answer` (JSONL: str or list) and `type`."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"DATA: {str(path)!r} does not exist")
+    rows: list[dict[str, Any]]
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    else:
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"DATA: {path.name} line {lineno} is not JSON: {exc}") from exc
+    items = []
+    for i, row in enumerate(rows):
+        for key in ("image", "question"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise ValueError(f"DATA: {path.name} item {i} has no {key!r} column value; expected a string")
+        answer = row.get("answer")
+        if answer in (None, ""):
+            answers = None
+        elif isinstance(answer, list):
+            answers = [str(a) for a in answer]
+        else:
+            answers = [str(answer)]
+        qtype = row.get("type") or None
+        items.append(EvalItem(i, row["image"], (path.parent / row["image"]), row["question"], answers,
+                              str(qtype) if qtype is not None else None))
+    return items
+
+
+class ResultsFile:
+    """Append-only JSONL of item results that survives being killed at any moment."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.records: dict[int, dict[str, Any]] = {}
+        if self.path.exists():
+            self._recover()
+        self._file = None
+
+    def _recover(self) -> None:
+        """Read complete lines; drop a torn last line (from a kill mid-write) by rewriting."""
+        good_lines = []
+        torn = False
+        with self.path.open(encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    torn = True
+                    continue
+                try:
+                    record = json.loads(line)
+                    self.records[int(record["index"])] = record
+                    good_lines.append(line)
+                except (json.JSONDecodeError, KeyError, ValueError, TypeError):
+                    torn = True
+        if torn:
+            self._rewrite(good_lines)
+
+    def _rewrite(self, lines: Iterable[str]) -> None:
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def drop(self, indices: set[int]) -> None:
+        """Forget records (e.g. errors to retry), rewriting the file without them."""
+        if not indices:
+            return
+        for i in indices:
+            self.records.pop(i, None)
+        self._rewrite(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records.values())
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        # One write call of a whole line, then flush: a kill never leaves half a line behind
+        # that a rerun would not detect and drop.
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.records[int(record["index"])] = record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def make_record(item: EvalItem, answer: str | None, error: str | None) -> dict[str, Any]:
+    correct = exact = None
+    if answer is not None and item.answers:
+        correct = is_correct(answer, item.answers)
+        exact = answer in item.answers
+    return {"index": item.index, "image": item.image, "question": item.question, "type": item.qtype,
+            "answer": answer, "reference": item.answers, "correct": correct, "exact_match": exact,
+            "error": error}
+
+
+@dataclass
+class Summary:
+    num_items: int = 0
+    num_scored: int = 0
+    num_errors: int = 0
+    exact_match: float | None = None
+    accuracy: float | None = None
+    per_type: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def summarize(records: Iterable[dict[str, Any]], seconds: float | None = None) -> Summary:
+    records = list(records)
+    summary = Summary(num_items=len(records), seconds=seconds)
+    scored = [r for r in records if r.get("error") is None and r.get("reference")]
+    summary.num_errors = sum(1 for r in records if r.get("error") is not None)
+    summary.num_scored = len(scored)
+    if scored:
+        summary.exact_match = sum(bool(r.get("exact_match")) for r in scored) / len(scored)
+        summary.accuracy = sum(bool(r.get("correct")) for r in scored) / len(scored)
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for r in scored:
+        if r.get("type"):
+            by_type.setdefault(r["type"], []).append(r)
+    for qtype, rows in sorted(by_type.items()):
+        summary.per_type[qtype] = {"n": len(rows), "accuracy": sum(bool(r["correct"]) for r in rows) / len(rows)}
+    return summary
+
+
+def format_summary(summary: Summary) -> str:
+    def pct(x: float | None) -> str:
+        return "   n/a" if x is None else f"{100 * x:6.2f}%"
+
+    lines = [f"items: {summary.num_items}   scored: {summary.num_scored}   errors: {summary.num_errors}",
+             f"exact match:          {pct(summary.exact_match)}",
+             f"normalised accuracy:  {pct(summary.accuracy)}"]
+    if summary.per_type:
+        lines.append(f"{'question type':20s} {'n':>6s} {'accuracy':>9s}")
+        for qtype, row in summary.per_type.items():
+            lines.append(f"{qtype:20s} {row['n']:6d} {pct(row['accuracy']):>9s}")
+    return "\n".join(lines)
+
+
+def summary_path_for(results: str | Path) -> Path:
+    results = Path(results)
+    return results.with_name(results.stem + ".summary.json")
+
+
+def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_inputs: Callable[[EvalItem], Any],
+                   params, *, retry_errors: bool = False, show_progress: bool = True,
+                   max_in_flight: int | None = None) -> Summary:
+    """Push every unfinished item through one engine run; write each result as it finishes.
+
+    Images are loaded as items are admitted (at most `max_in_flight` at once), so memory stays
+    bounded; an item whose image cannot be loaded is recorded with its error and skipped.
+    """
+    from tqdm.auto import tqdm
+
+    from mmkit.errors import RequestError
+    from mmkit.inputs import parse_prompt
+
+    if retry_errors:
+        results.drop({i for i, r in results.records.items() if r.get("error") is not None})
+    todo = [it for it in items if it.index not in results.records]
+    engine = llm.llm_engine
+    window = max_in_flight or max(2 * engine.config.scheduler.max_num_seqs, 64)
+    in_flight: dict[str, EvalItem] = {}
+    queue = iter(todo)
+    exhausted = False
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="Evaluating", unit="item", disable=not show_progress, dynamic_ncols=True)
+    try:
+        while in_flight or not exhausted:
+            while not exhausted and len(in_flight) < window:
+                item = next(queue, None)
+                if item is None:
+                    exhausted = True
+                    break
+                rid = f"eval-{item.index}"
+                try:
+                    parsed = parse_prompt(item.index, build_inputs(item))
+                    processed, sp = engine.process_request(rid, parsed, params)
+                except (ValueError, TypeError) as exc:
+                    results.write(make_record(item, None, str(exc)))
+                    bar.update(1)
+                    continue
+                engine.add_processed(rid, processed, sp)
+                in_flight[rid] = item
+            if not in_flight:
+                continue
+            try:
+                outputs = engine.step()
+            except RequestError as exc:
+                engine.abort_request(exc.request_ids)
+                for rid in exc.request_ids:
+                    item = in_flight.pop(rid, None)
+                    if item is not None:
+                        results.write(make_record(item, None, str(exc.__cause__ or exc)))
+                        bar.update(1)
+                continue
+            for out in outputs:
+                if out.finished and out.request_id in in_flight:
+                    item = in_flight.pop(out.request_id)
+                    results.write(make_record(item, out.outputs[0].text.strip(), None))
+                    bar.update(1)
+    except BaseException:
+        engine.abort_request(list(in_flight))
+        raise
+    finally:
+        bar.close()
+        results.close()
+    return summarize(results.records.values(), time.perf_counter() - start)

@@ -1,0 +1,207 @@
+"""Stateful property tests of the Scheduler and BlockManager, without a model.
+
+Hypothesis drives random sequences of add / step / abort / finish on a small cache (so
+preemption by recompute happens often); a step is simulated the way LLMEngine.step does it:
+schedule, mark the scheduled tokens computed, append one sampled token to every sequence whose
+chunk reached its end (forking the pending samples of n > 1 requests), apply stop conditions.
+After every rule the block accounting must be exact, and after draining every request must
+have ended finished or aborted with every block free. Runs with and without prefix caching
+(when the BlockManager supports it); nothing here depends on attributes beyond
+can_allocate / allocate / free / fork / num_free_blocks / ref_counts.
+"""
+
+import inspect
+import itertools
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mmkit.config import SchedulerConfig
+from mmkit.engine.block_manager import BlockManager, blocks_needed
+from mmkit.engine.scheduler import Scheduler
+from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from mmkit.processors.base import ProcessedPrompt
+from mmkit.sampling_params import SamplingParams
+
+# A few prompts that share prefixes, so a prefix cache (if enabled) gets hits.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [1, 2, 3], [20, 21], [30],
+           [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17]]
+_SUPPORTS_PREFIX = "enable_prefix_caching" in inspect.signature(BlockManager).parameters
+
+
+def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool) -> BlockManager:
+    if _SUPPORTS_PREFIX:
+        return BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return BlockManager(num_blocks, block_size)
+
+
+def free_ids(bm) -> list[int]:
+    ids = getattr(bm, "free_block_ids", None)
+    if ids is None:
+        ids = getattr(bm, "free_blocks")
+    return list(ids)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(3, 14), block_size=st.sampled_from([1, 2, 4]),
+                max_num_seqs=st.integers(1, 4), max_batched=st.integers(1, 24),
+                max_model_len=st.integers(8, 64), prefix_caching=st.booleans())
+    def setup(self, num_blocks, block_size, max_num_seqs, max_batched, max_model_len, prefix_caching):
+        self.bm = make_block_manager(num_blocks, block_size, prefix_caching and _SUPPORTS_PREFIX)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                               max_model_len=max_model_len), self.bm)
+        self.max_model_len = max_model_len
+        self.groups: dict[str, SequenceGroup] = {}  # live requests (the engine's `groups`)
+        self.all_groups: dict[str, SequenceGroup] = {}
+        self.aborted: set[str] = set()
+        self.ids = itertools.count()
+        self.next_token = itertools.count(100)
+
+    # ------------------------------------------------------------------ rules
+    @rule(prompt=st.sampled_from(PROMPTS), extra=st.integers(0, 6), n=st.integers(1, 3),
+          max_tokens=st.integers(1, 20))
+    def add(self, prompt, extra, n, max_tokens):
+        token_ids = prompt + [40 + i for i in range(extra)]
+        # LLMEngine._check_fits: a request that can never fit is rejected up front.
+        if len(token_ids) > self.max_model_len or blocks_needed(len(token_ids) + 1, self.bm.block_size) > self.bm.num_blocks:
+            return
+        rid = f"r{next(self.ids)}"
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0)
+        group = SequenceGroup(request_id=rid, params=params,
+                              processed=ProcessedPrompt(index=0, prompt=None, prompt_token_ids=token_ids))
+        seqs = [Sequence(group=group, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids))
+                for i in range(n)]
+        group.seqs, group.pending_forks = seqs[:1], seqs[1:]
+        seqs[0].num_pending_forks = n - 1
+        self.groups[rid] = group
+        self.all_groups[rid] = group
+        self.sched.add_group(group)
+
+    @rule()
+    def step(self):
+        self._step()
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.groups)))
+        group = self.groups.pop(rid)
+        self.sched.abort_group(group)  # what LLMEngine.abort_request does
+        self.aborted.add(rid)
+        assert all(s.is_finished and s.block_table == [] for s in group.seqs)
+
+    @precondition(lambda self: any(s.num_output_tokens > 0 for s in self.sched.running))
+    @rule(data=st.data())
+    def finish(self, data):
+        """A stop string or EOS ends one running sample early."""
+        candidates = [s for s in self.sched.running if s.num_output_tokens > 0]
+        seq = data.draw(st.sampled_from(candidates))
+        self.sched.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+        self._retire(seq.group)
+
+    # ------------------------------------------------------------------ the simulated step
+    def _step(self) -> bool:
+        out = self.sched.schedule()
+        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        written: set[int] = set()
+        bs = self.bm.block_size
+        for s in out.scheduled:
+            seq = s.seq
+            assert s.num_new_tokens > 0 and not seq.is_finished and seq.status is SequenceStatus.RUNNING
+            assert len(seq.block_table) >= blocks_needed(s.end, bs)
+            blocks = seq.block_table[s.start // bs: (s.end - 1) // bs + 1]
+            for block_id in blocks:
+                # NOTE: a block written this step belongs to this sequence alone.
+                assert self.bm.ref_counts[block_id] == 1, (seq, block_id, self.bm.ref_counts[block_id])
+                assert block_id not in written, f"block {block_id} written by two sequences"
+                written.add(block_id)
+        for seq in out.out_of_cache:
+            assert seq.is_finished and seq.block_table == []
+            self._retire(seq.group)
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.end
+        for s in out.scheduled:
+            if s.seq.is_finished or s.seq.num_computed_tokens != s.seq.num_tokens:
+                continue
+            targets = [s.seq] + self._fork(s.seq)
+            for target in targets:
+                target.token_ids.append(next(self.next_token))
+                params = target.group.params
+                if target.num_output_tokens >= params.max_tokens or target.num_tokens >= self.max_model_len:
+                    self.sched.finish_seq(target, SequenceStatus.FINISHED_LENGTH)
+            self._retire(s.seq.group)
+        # A step that only preempts (or only ends out-of-cache sequences) still makes progress.
+        return bool(out.scheduled or out.num_preempted or out.out_of_cache)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        group = parent.group
+        children, group.pending_forks = group.pending_forks, []
+        parent.num_pending_forks = 0
+        for child in children:
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.bm.fork(parent, child)
+            group.seqs.append(child)
+            self.sched.add_running(child)
+        return children
+
+    def _retire(self, group: SequenceGroup) -> None:
+        if group.is_finished and self.groups.get(group.request_id) is group:
+            del self.groups[group.request_id]
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def blocks_are_accounted_for(self):
+        if not hasattr(self, "bm"):
+            return
+        bm = self.bm
+        refs: Counter = Counter()
+        for group in self.all_groups.values():
+            for seq in group.seqs + group.pending_forks:
+                if seq.is_finished:
+                    assert seq.block_table == [], f"finished {seq} still holds blocks"
+                refs.update(seq.block_table)
+        assert min(bm.ref_counts) >= 0
+        for block_id in range(bm.num_blocks):
+            assert bm.ref_counts[block_id] == refs[block_id], (block_id, bm.ref_counts[block_id], refs[block_id])
+        free = free_ids(bm)
+        assert len(free) == len(set(free)) == bm.num_free_blocks, "a block is on the free list twice"
+        assert set(free).isdisjoint(refs), "a referenced block is on the free list"
+        assert set(free) | set(refs) == set(range(bm.num_blocks)), "a block leaked"
+
+    @invariant()
+    def queues_are_consistent(self):
+        if not hasattr(self, "sched"):
+            return
+        waiting, running = list(self.sched.waiting), self.sched.running
+        assert len({id(s) for s in waiting + running}) == len(waiting) + len(running)
+        assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in waiting)
+        assert all(s.status is SequenceStatus.RUNNING for s in running)
+        live = {id(s) for g in self.groups.values() for s in g.seqs if not s.is_finished}
+        assert {id(s) for s in waiting + running} == live
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(5000):  # a livelock (preempting forever) ends here and fails below
+            if not self.sched.has_unfinished():
+                break
+            progressed = self._step()
+            assert progressed or not self.sched.has_unfinished(), "the scheduler is stuck"
+            self.blocks_are_accounted_for()
+        assert not self.sched.has_unfinished() and self.groups == {}
+        for rid, group in self.all_groups.items():
+            statuses = {s.status for s in group.seqs}
+            assert group.is_finished and all(st_.is_finished for st_ in statuses), (rid, statuses)
+            if rid in self.aborted:
+                assert SequenceStatus.FINISHED_ABORTED in statuses
+            else:
+                assert len(group.seqs) == group.params.n
+        assert self.bm.num_free_blocks == self.bm.num_blocks and sum(self.bm.ref_counts) == 0
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestScheduler = SchedulerMachine.TestCase
