@@ -1,0 +1,130 @@
+"""Regenerates the notebooks (stored without outputs): python notebooks/make_notebooks.py"""
+from pathlib import Path
+
+import nbformat as nbf
+
+def nb(cells):
+    n = nbf.v4.new_notebook()
+    n.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    # A cell starting with "md:" is markdown; every other cell is code.
+    n.cells = [nbf.v4.new_markdown_cell(c[3:]) if c.startswith("md:") else nbf.v4.new_code_cell(c) for c in cells]
+    return n
+
+SETUP = '''import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoids slow OpenMP spinning on small CPUs
+import torch
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+from pathlib import Path
+ASSETS = Path("..") / "assets" if Path("../assets").exists() else Path("assets")'''
+
+cap = nb([
+"md:# Image captioning with mmkit\n\nCaption pictures with the embedded default model (a small LLaVA trained on synthetic shape scenes). `LLM()` with no `model` loads it from `assets/default-model`; pass `model=\"path/to/llava-checkpoint\"` for any llava-hf checkpoint.",
+SETUP,
+'''from mmkit import LLM, SamplingParams, MultiModalData
+from PIL import Image
+
+llm = LLM(seed=0)  # the embedded default model
+greedy = SamplingParams(temperature=0, max_tokens=48)''',
+"md:## One image, through the chat template\n`LLM.chat` takes OpenAI-style messages; images may be PIL images, local paths, `file://` URLs or `data:` URIs.",
+'''image = Image.open(ASSETS / "scenes" / "scene_0.png")
+out = llm.chat([{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "Describe the image."}]}], greedy, use_tqdm=False)
+print(out[0].outputs[0].text)
+image''',
+"md:## A batch of images in one call\nEvery prompt carries its own image; the engine decodes them together and returns outputs in input order.",
+'''paths = sorted((ASSETS / "scenes").glob("scene_*.png"))
+messages = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(p)}},
+                                          {"type": "text", "text": "Describe the image."}]}] for p in paths]
+for path, result in zip(paths, llm.chat(messages, greedy, use_tqdm=False)):
+    print(f"{path.name}: {result.outputs[0].text}")''',
+"md:## Raw pixel tensors\n`MultiModalData` also takes NCHW tensors of raw pixels: uint8 in 0-255 or float in 0-1 (the same picture gives the same caption).",
+'''import numpy as np
+pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)[None]  # [1, 3, H, W] uint8
+prompt = out[0].prompt  # the prompt the chat template rendered above, with its <image> placeholder
+as_uint8 = llm.generate({"prompt": prompt, "multi_modal_data": MultiModalData(type=MultiModalData.Type.IMAGE, data=pixels)}, greedy, use_tqdm=False)
+as_float = llm.generate({"prompt": prompt, "multi_modal_data": MultiModalData(type=MultiModalData.Type.IMAGE, data=pixels.float() / 255)}, greedy, use_tqdm=False)
+print(as_uint8[0].outputs[0].text)
+assert as_uint8[0].outputs[0].token_ids == as_float[0].outputs[0].token_ids''',
+])
+
+vqa = nb([
+"md:# Visual question answering\n\nAsk questions about images, one at a time or many at once. The default model answers questions about colours, counts, shapes and positions in its synthetic scenes.",
+SETUP,
+'''import json
+from mmkit import LLM, SamplingParams
+from PIL import Image
+
+llm = LLM(seed=0)
+greedy = SamplingParams(temperature=0, max_tokens=16)
+
+def ask(image, question):
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+    return llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0].text.strip()''',
+'''image = Image.open(ASSETS / "scenes" / "red_circle.png")
+for q in ["What color is the circle?", "How many shapes are there?", "Is there a triangle?"]:
+    print(q, "->", ask(image, q))
+image''',
+"md:## Many questions in one batched call\nThe same image asked ten times is encoded once (the vision-embedding cache) and the shared prompt prefix is computed once (prefix caching).",
+'''scenes = json.loads((ASSETS / "scenes" / "scenes.json").read_text())
+batch, truth = [], []
+for name, info in scenes.items():
+    img = Image.open(ASSETS / "scenes" / name)
+    for question, answer, qtype in info["qa"]:
+        batch.append([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": question}]}])
+        truth.append((name, question, answer))
+outs = llm.chat(batch, greedy, use_tqdm=False)
+correct = 0
+for (name, question, answer), out in zip(truth, outs):
+    got = out.outputs[0].text.strip().lower().rstrip(".")
+    correct += got == answer
+    print(f"{name:12s} {question:32s} {got:40s} {'ok' if got == answer else 'expected ' + answer}")
+print(f"accuracy: {correct}/{len(truth)}")
+print(llm.get_metrics())''',
+])
+
+ev = nb([
+"md:# Batch evaluation\n\nEvaluate a dataset of image + question (+ reference answers) in one batched run, from Python and from the command line, and chart accuracy per question type. The data format is JSONL or CSV with the columns `image` (path relative to the data file), `question`, optional `answer` (a string, or in JSONL a list of accepted strings) and optional `type`.",
+SETUP,
+'''import tempfile
+from mmkit import LLM, SamplingParams
+from mmkit.cli import question_inputs
+from mmkit.evaluation import ResultsFile, format_summary, read_dataset, run_evaluation
+from mmkit.image_io import load_image
+
+data = ASSETS / "eval" / "quickstart.jsonl"
+items = read_dataset(data)
+print(len(items), "items; first:", items[0])''',
+'''llm = LLM(seed=0)
+results_path = Path(tempfile.mkdtemp()) / "results.jsonl"
+results = ResultsFile(results_path)
+
+def build(item):
+    return question_inputs(llm, load_image(item.image_path, where=f"item {item.index}"), item.question)
+
+summary = run_evaluation(llm, items, results, build, SamplingParams(temperature=0, max_tokens=32), show_progress=False)
+print(format_summary(summary))''',
+"md:The same run from the command line (resumable: rerunning skips finished items):\n\n    mmkit eval assets/eval/quickstart.jsonl --output results.jsonl",
+'''import matplotlib
+import matplotlib.pyplot as plt
+
+types = list(summary.per_type)
+accuracy = [100 * summary.per_type[t]["accuracy"] for t in types]
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.bar(types, accuracy, color="tab:blue")
+ax.set_ylim(0, 100)
+ax.set_ylabel("accuracy (%)")
+ax.set_title("Accuracy per question type")
+for i, v in enumerate(accuracy):
+    ax.text(i, v + 2, f"{v:.0f}", ha="center")
+plt.tight_layout()
+plt.show()''',
+'''import json
+wrong = [json.loads(line) for line in results_path.read_text().splitlines()]
+wrong = [r for r in wrong if r["correct"] is False]
+print(f"{len(wrong)} wrong answers")
+for r in wrong[:10]:
+    print(r["image"], r["question"], "->", r["answer"], "(expected", r["reference"], ")")''',
+])
+for name, n in [("captioning", cap), ("vqa", vqa), ("batch_evaluation", ev)]:
+    nbf.write(n, Path(__file__).parent / f"{name}.ipynb")
