@@ -98,7 +98,7 @@ class LLMEngine:
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         gen = torch.Generator(device=self.model_runner.device)
         if params.seed is not None:
-            gen.manual_seed(params.seed * 1_000_003 + index)
+            gen.manual_seed((params.seed * 1_000_003 + index) % 2**64)
         else:
             gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
         return gen
@@ -146,7 +146,8 @@ class LLMEngine:
         for s in sched.scheduled:
             lp = result.prompt_logprobs.get(s.seq.group.request_id)
             if lp is not None:
-                output_builder.prompt_logprobs_for(self.tokenizer, s.seq.group, s.start, lp)
+                start = s.seq.num_computed_tokens - s.num_new_tokens  # step() already advanced it
+                output_builder.prompt_logprobs_for(self.tokenizer, s.seq.group, start, lp)
         row = 0
         for s, count in zip(result.sampled, result.row_counts):
             seq = s.seq
