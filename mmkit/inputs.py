@@ -171,6 +171,13 @@ def parse_prompt(index: int, item: Any) -> ParsedPrompt:
 def _check_text(where: str, text: str) -> None:
     if text == "":
         raise ValueError(f"{where}: got an empty prompt; expected non-empty text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would fail obscurely
+        raise ValueError(
+            f"{where}: got text with an unpaired surrogate {text[exc.start]!r} at position {exc.start}; "
+            "expected valid Unicode text"
+        ) from None
 
 
 def _parse_token_ids(where: str, ids: Any) -> list[int]:

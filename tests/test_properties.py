@@ -14,7 +14,7 @@ import inspect
 import itertools
 from collections import Counter
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -113,10 +113,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(seq.block_table) >= blocks_needed(s.end, bs)
             blocks = seq.block_table[s.start // bs: (s.end - 1) // bs + 1]
             for block_id in blocks:
-                # NOTE: a block written this step belongs to this sequence alone.
-                assert self.bm.ref_counts[block_id] == 1, (seq, block_id, self.bm.ref_counts[block_id])
                 assert block_id not in written, f"block {block_id} written by two sequences"
                 written.add(block_id)
+                # NOTE: a block written this step is this sequence's alone, except that a prefix-cache
+                # hit later in the same step may read it (as a full, computed block): never write it.
+                holders = [t for t in self._live_seqs() if t is not seq and block_id in t.block_table]
+                for other in holders:
+                    index = other.block_table.index(block_id)
+                    assert (index + 1) * bs <= other.num_computed_tokens or any(
+                        x.seq is other for x in out.scheduled if x.start >= (index + 1) * bs), \
+                        f"{seq} writes block {block_id} that {other} may also write"
+                if self.bm.ref_counts[block_id] != 1:
+                    assert holders and getattr(self.bm, "enable_prefix_caching", False), \
+                        (seq, block_id, self.bm.ref_counts[block_id])
         for seq in out.out_of_cache:
             assert seq.is_finished and seq.block_table == []
             self._retire(seq.group)
@@ -134,6 +143,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._retire(s.seq.group)
         # A step that only preempts (or only ends out-of-cache sequences) still makes progress.
         return bool(out.scheduled or out.num_preempted or out.out_of_cache)
+
+    def _live_seqs(self) -> list[Sequence]:
+        return [s for g in self.groups.values() for s in g.seqs if not s.is_finished]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         group = parent.group
@@ -200,8 +212,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert len(group.seqs) == group.params.n
         assert self.bm.num_free_blocks == self.bm.num_blocks and sum(self.bm.ref_counts) == 0
+        event(f"preempted: {self.sched.num_preemptions > 0}")
+        event(f"aborted: {bool(self.aborted)}")
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase

@@ -3,6 +3,12 @@
 This is the torch reference path (CPU and CUDA). Tokens of one step are laid out with all
 decode tokens first (one per sequence, attended in one batched SDPA call over the gathered
 blocks) and then the prefill chunks (one SDPA call each, causal within the chunk).
+
+Cache layout (per layer, K and V alike): `[num_kv_heads, num_blocks, block_size, head_dim]`,
+heads first. Gathering the blocks of a batch is then one `index_select` that yields
+`[num_kv_heads, num_seqs, max_len, head_dim]` without a transpose copy, and a decode batch is
+attended as `num_kv_heads` independent problems whose "queries" are the `num_heads /
+num_kv_heads` query heads sharing that KV head: grouped-query attention with no repeated K/V.
 """
 
 from __future__ import annotations
@@ -31,25 +37,34 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    # [num_decodes * max_blocks] int64: each decode's block table padded to the longest
+    # live one (only the live blocks of the batch are read), flattened row-major.
+    decode_block_ids: torch.Tensor | None = None
+    decode_max_blocks: int = 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # Additive mask in the model dtype, [1, num_decodes, 1, max_blocks * block_size]
+    # (0 = attend, -inf = padding); None when every decode spans the whole padded width.
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    # caches: [num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # caches: [kv_heads, num_blocks, block_size, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
+    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    # [num_seqs, max_blocks] -> [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]
-    blocks = cache[block_tables]  # [num_seqs, max_blocks, block_size, kv_heads, head_dim]
-    num_seqs, max_blocks, block_size, kv_heads, head_dim = blocks.shape
-    return blocks.view(num_seqs, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """`block_ids`: [num_seqs * max_blocks] -> [kv_heads, num_seqs, max_blocks * block_size, head_dim]."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    blocks = cache.view(kv_heads, num_blocks, block_size * head_dim).index_select(1, block_ids)
+    return blocks.view(kv_heads, num_seqs, -1, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -59,32 +74,46 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns [num_tokens, num_heads, head_dim].
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
+    if nd and not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
-        qd = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        kd = _gather(k_cache, meta.decode_block_tables)
-        vd = _gather(v_cache, meta.decode_block_tables)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                            enable_gqa=True)
-        out[:nd] = od.squeeze(2)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-        if chunk.is_whole_prompt:
-            # Nothing cached before this chunk: attend to the fresh K/V directly.
-            kp = k[rows].transpose(0, 1).unsqueeze(0)
-            vp = v[rows].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                enable_gqa=True)
-        else:
-            kp = _gather(k_cache, chunk.block_table[None])[:, :, : chunk.context_len]
-            vp = _gather(v_cache, chunk.block_table[None])[:, :, : chunk.context_len]
-            offset = chunk.context_len - chunk.query_len
-            q_pos = torch.arange(chunk.query_len, device=q.device)[:, None] + offset
-            k_pos = torch.arange(chunk.context_len, device=q.device)[None, :]
-            mask = (k_pos <= q_pos)[None, None]  # [1, 1, query_len, context_len]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                                enable_gqa=True)
-        out[rows] = op[0].transpose(0, 1)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = num_heads // kv_heads
+    kd = gather_blocks(k_cache, meta.decode_block_ids, num_seqs)  # [kv_heads, seqs, T, head_dim]
+    vd = gather_blocks(v_cache, meta.decode_block_ids, num_seqs)
+    # Heads h = j * group + i share KV head j (transformers' repeat_kv order).
+    qd = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, seqs, group, head_dim]
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+    return od.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    qp = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+    if chunk.is_whole_prompt:
+        # Nothing cached before this chunk: attend to the fresh K/V directly.
+        kp = k.transpose(0, 1).unsqueeze(0)
+        vp = v.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        ctx = chunk.context_len
+        kp = gather_blocks(k_cache, chunk.block_table, 1).transpose(0, 1)[:, :, :ctx]
+        vp = gather_blocks(v_cache, chunk.block_table, 1).transpose(0, 1)[:, :, :ctx]
+        offset = ctx - chunk.query_len
+        q_pos = torch.arange(chunk.query_len, device=q.device)[:, None] + offset
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = (k_pos <= q_pos)[None, None]  # [1, 1, query_len, context_len]
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+    return op[0].transpose(0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmkit.config import CacheConfig, ModelConfig
+from mmkit.layers.attention import kv_cache_shape
 
 _CPU_DEFAULT_LIMIT = 4 << 30  # bytes
 
@@ -37,8 +38,10 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) ->
 
 
 def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # One (K, V) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim].
-    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    # One (K, V) pair per layer: [num_kv_heads, num_blocks, block_size, head_dim] (heads first,
+    # see mmkit/layers/attention.py). Zero-filled: padded positions are masked, and a zero
+    # (never NaN) value times a zero weight keeps the output finite.
+    shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
     return [
         (torch.zeros(shape, dtype=model.dtype, device=model.device),
          torch.zeros(shape, dtype=model.dtype, device=model.device))

@@ -111,42 +111,56 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch preparation
     def _prepare(self, order: list[ScheduledSeq]):
+        """Flat step inputs. Built from Python ints and turned into tensors once per step
+        (no per-sequence tensor ops): decode rows cost O(1) each, whatever their length."""
         bs = self.block_size
         ids: list[int] = []
-        pos: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        slot_parts: list[torch.Tensor] = []
         for s in order:
             seq = s.seq
-            ids.extend(seq.token_ids[s.start:s.end])
-            p = torch.arange(s.start, s.end)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            pos.append(p)
-            slot_parts.append(table[p // bs] * bs + p % bs)
-            if s.num_new_tokens == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(s.end)
-            else:
-                prefills.append(PrefillChunk(len(ids) - s.num_new_tokens, s.num_new_tokens, s.end,
-                                             table.to(self.device)))
+            table = seq.block_table
+            start, end = s.start, s.end
+            if end - start == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table)
+                decode_lens.append(end)
+                continue
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            prefills.append(PrefillChunk(len(ids) - (end - start), end - start, end,
+                                         torch.tensor(table, dtype=torch.long).to(self.device)))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills)
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            lens = torch.tensor(decode_lens, dtype=torch.long)
             meta.num_decode_tokens = len(decode_tables)
-            meta.decode_block_tables = padded.to(dev)
-            meta.decode_context_lens = lens.to(dev)
+            self._prepare_decode(meta, decode_tables, decode_lens)
+        return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
+
+    def _prepare_decode(self, meta: AttentionMetadata, tables: list[list[int]], lens: list[int]) -> None:
+        bs = self.block_size
+        # Only the blocks that hold tokens: a table may own a block reserved for later.
+        live = [-(-n // bs) for n in lens]
+        width = max(live)
+        flat: list[int] = []
+        for t, n in zip(tables, live):
+            flat.extend(t[:n])
+            flat.extend([0] * (width - n))  # block 0 as filler; masked below
+        meta.decode_block_ids = _to_device(flat, self.device)
+        meta.decode_max_blocks = width
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        meta.decode_context_lens = lens_t.to(self.device)
+        if min(lens) < width * bs:
             key_pos = torch.arange(width * bs)
-            meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :].to(dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.cat(pos).to(dev)
-        return input_ids, positions, meta.slot_mapping, meta
+            masked = key_pos[None, :] >= lens_t[:, None]  # [num_decodes, max_len]
+            mask = torch.zeros(masked.shape, dtype=self.dtype).masked_fill_(masked, float("-inf"))
+            meta.decode_mask = mask[None, :, None, :].to(self.device)  # [1, num_decodes, 1, max_len]
 
     # ------------------------------------------------------------------ images
     def _merge_images(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
@@ -244,9 +258,16 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for k_cache, v_cache in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
+            k_cache[:, dst] = k_cache[:, src]
+            v_cache[:, dst] = v_cache[:, src]
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
 
 
 def _overlaps_images(s: ScheduledSeq) -> bool:
