@@ -76,14 +76,17 @@ def main() -> None:
     items = workload(args.images, 224)
     on = run(model, args.dtype, True, items, args.max_tokens)
     off = run(model, args.dtype, False, items, args.max_tokens)
-    same = on.pop("outputs") == off.pop("outputs")
+    outs_on, outs_off = on.pop("outputs"), off.pop("outputs")
+    same = sum(a == b for a, b in zip(outs_on, outs_off)) / len(outs_on)
     print(f"{'':10s} {'req/s':>8s} {'tok/s':>9s} {'vision calls':>13s} {'prefix hit rate':>16s}")
     for r in (on, off):
         name = "cache on" if r["caching"] else "cache off"
         print(f"{name:10s} {r['requests_per_s']:8.2f} {r['total_tokens_per_s']:9.1f} {r['vision_calls']:13d} "
               f"{r['prefix_cache_hit_rate']:16.2%}")
     ratio = on["requests_per_s"] / off["requests_per_s"]
-    print(f"speedup: {ratio:.2f}x   identical greedy outputs: {same}")
+    # float32 gives identical outputs (tests/test_prefix_cache.py); in bf16 a random-weight
+    # model has near-tied logits that the different attention kernels can flip.
+    print(f"speedup: {ratio:.2f}x   identical greedy outputs: {same:.0%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"on": on, "off": off, "speedup": ratio, "identical": same}, indent=2))
 
