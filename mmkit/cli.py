@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", default=None, help="summary JSON (default: RESULTS.summary.json)")
     p.add_argument("--retry-errors", action="store_true", help="rerun items recorded with an error")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                   help="items admitted to the engine at once (bounds memory; default 2 x max_num_seqs)")
     _common(p)
     return parser
 
@@ -119,7 +121,7 @@ def cmd_eval(args) -> int:
         return question_inputs(llm, image, item.question)
 
     summary = run_evaluation(llm, items, results, build, _params(args), retry_errors=args.retry_errors,
-                             show_progress=not args.no_progress)
+                             show_progress=not args.no_progress, max_in_flight=args.max_in_flight)
     summary_path = Path(args.summary) if args.summary else summary_path_for(args.output)
     summary_path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     print(format_summary(summary))

@@ -111,7 +111,7 @@ def test_eval_resumes_after_sigkill(tiny_ckpt, dataset, tmp_path):
     results = tmp_path / "big_res.jsonl"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen([sys.executable, "-m", "mmkit", "eval", str(big), "--output", str(results), "--model",
-                             str(tiny_ckpt), "--max-tokens", "24", "--no-progress"], env=env,
+                             str(tiny_ckpt), "--max-tokens", "24", "--no-progress", "--max-in-flight", "4"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline:
