@@ -10,7 +10,7 @@ from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata
-from mmkit.models.llama import LlamaModel
+from mmkit.models.llama import Linear, LlamaModel, pack_linears
 from mmkit.models.weight_utils import load_weights
 
 
@@ -37,7 +37,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.language_model = LlamaModel(config.text_config, max_positions)
         text = config.text_config
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(
             getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
         )
@@ -47,6 +47,12 @@ class LlavaForConditionalGeneration(nn.Module):
         load_weights(self, path, self.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
+        self.language_model.fuse_weights()
+
+    def prepare_for_inference(self) -> int:
+        """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and
+        LM head). Returns the number of packed linears (0 on CUDA and in float32)."""
+        return pack_linears(self.language_model) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ vision
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,38 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]], context_lens: list[int],
+                          block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill the decode fields of `meta` for one decode token per sequence.
+
+    `block_tables[i]` holds sequence i's blocks; `context_lens[i]` counts its tokens including
+    the new one. Only live blocks are gathered (padded to the longest); the additive mask is
+    built only when some sequence is shorter than the padded width.
+    """
+    live = [-(-n // block_size) for n in context_lens]
+    width = max(live)
+    flat: list[int] = []
+    for table, n in zip(block_tables, live):
+        flat.extend(table[:n])
+        flat.extend([0] * (width - n))  # block 0 as filler; masked below
+    meta.num_decode_tokens = len(block_tables)
+    meta.decode_block_ids = _long_tensor(flat, device)
+    meta.decode_max_blocks = width
+    lens = torch.tensor(context_lens, dtype=torch.long)
+    meta.decode_context_lens = lens.to(device)
+    if min(context_lens) < width * block_size:
+        masked = torch.arange(width * block_size)[None, :] >= lens[:, None]  # [num_decodes, max_len]
+        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
+        meta.decode_mask = mask[None, :, None, :].to(device)  # [1, num_decodes, 1, max_len]
+
+
+def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (num_kv_heads, num_blocks, block_size, head_dim)
 

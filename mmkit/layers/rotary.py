@@ -11,11 +11,6 @@ import torch
 from torch import nn
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, text_config, max_positions: int) -> None:
         super().__init__()
@@ -28,10 +23,16 @@ class RotaryEmbedding(nn.Module):
             cos, sin = hf_rope(dummy, positions)  # [1, max_positions, head_dim], float32
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half of sin negated:
+        # one roll instead of neg + cat, bit-identical (negation commutes with rounding).
+        half = cos.shape[-1] // 2
+        signed = sin[0].clone()
+        signed[:, :half] = -signed[:, :half]
+        self.register_buffer("signed_sin", signed, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim] cos and sin in `dtype` (cast from the float32 table, as HF does)."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """[num_tokens, 1, head_dim] cos and signed sin in `dtype` (cast from float32, as HF does)."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
@@ -39,6 +40,8 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim] (from `cos_sin`).
+
+    Equals HF's `x * cos + rotate_half(x) * sin`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

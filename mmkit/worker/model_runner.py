@@ -17,7 +17,7 @@ from mmkit.config import EngineConfig
 from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mmkit.engine.sequence import SequenceGroup
 from mmkit.errors import RequestError
-from mmkit.layers.attention import AttentionMetadata, PrefillChunk
+from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
@@ -61,6 +61,8 @@ class ModelRunner:
         self.model = model.to(dtype=self.dtype).eval()
         # The rotary table stays float32 (cast per use), like transformers.
         self.model.language_model.rotary.float()
+        if hasattr(self.model, "prepare_for_inference"):
+            self.model.prepare_for_inference()
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
         self.sampler = Sampler()
@@ -139,28 +141,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills)
         if decode_tables:
-            meta.num_decode_tokens = len(decode_tables)
-            self._prepare_decode(meta, decode_tables, decode_lens)
+            build_decode_metadata(meta, decode_tables, decode_lens, bs, self.dtype, dev)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
-
-    def _prepare_decode(self, meta: AttentionMetadata, tables: list[list[int]], lens: list[int]) -> None:
-        bs = self.block_size
-        # Only the blocks that hold tokens: a table may own a block reserved for later.
-        live = [-(-n // bs) for n in lens]
-        width = max(live)
-        flat: list[int] = []
-        for t, n in zip(tables, live):
-            flat.extend(t[:n])
-            flat.extend([0] * (width - n))  # block 0 as filler; masked below
-        meta.decode_block_ids = _to_device(flat, self.device)
-        meta.decode_max_blocks = width
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        meta.decode_context_lens = lens_t.to(self.device)
-        if min(lens) < width * bs:
-            key_pos = torch.arange(width * bs)
-            masked = key_pos[None, :] >= lens_t[:, None]  # [num_decodes, max_len]
-            mask = torch.zeros(masked.shape, dtype=self.dtype).masked_fill_(masked, float("-inf"))
-            meta.decode_mask = mask[None, :, None, :].to(self.device)  # [1, num_decodes, 1, max_len]
 
     # ------------------------------------------------------------------ images
     def _merge_images(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:

@@ -1,0 +1,147 @@
+"""Shared pieces of the side-by-side benchmarks: seeded workloads, both systems, timing helpers.
+
+Every script imports this module first: it sets OMP_WAIT_POLICY=PASSIVE before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+NUM_SPECIAL_TOKENS = 5  # <unk> <s> </s> <pad> <image> (tests/tiny_llava.py)
+BOS_ID, IMAGE_ID = 1, 4
+
+
+@dataclass
+class Request:
+    text_ids: list[int]  # prompt text tokens after <s> <image>
+    image_seed: int
+    max_tokens: int
+
+
+def make_workload(kind: str, num_requests: int, seed: int = 0, vocab_size: int = 49152,
+                  min_prompt: int = 16, max_prompt: int = 64, min_out: int = 8, max_out: int = 128,
+                  uniform_len: int = 64) -> list[Request]:
+    """`mixed`: output lengths uniform in [min_out, max_out]; `uniform`: all `uniform_len`."""
+    if kind not in ("mixed", "uniform"):
+        raise ValueError(f"workload: got {kind!r}; expected 'mixed' or 'uniform'")
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(num_requests):
+        n = rng.randint(min_prompt, max_prompt)
+        text = [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(n)]
+        out = rng.randint(min_out, max_out) if kind == "mixed" else uniform_len
+        reqs.append(Request(text, seed * 100_003 + i, out))
+    return reqs
+
+
+def make_image(seed: int, size: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed % (2**32))
+    return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
+
+
+def image_size_of(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True).vision_config.image_size
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def build_model(num_layers: int) -> str:
+    from bench_model import build_bench_llava
+
+    return str(build_bench_llava(num_layers=num_layers))
+
+
+# ---------------------------------------------------------------------- mmkit
+def mmkit_inputs(reqs: list[Request], image_size: int) -> list[dict]:
+    return [{"prompt_token_ids": [BOS_ID, IMAGE_ID] + r.text_ids,
+             "multi_modal_data": {"image": make_image(r.image_seed, image_size)}} for r in reqs]
+
+
+def mmkit_params(reqs: list[Request]):
+    from mmkit import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+
+
+def build_llm(model_dir: str, dtype: str, **kwargs):
+    from mmkit import LLM
+
+    return LLM(model_dir, dtype=dtype, seed=0, **kwargs)
+
+
+# ---------------------------------------------------------------------- transformers
+class HFRunner:
+    """transformers' LlavaForConditionalGeneration.generate in left-padded static batches."""
+
+    def __init__(self, model_dir: str, dtype: str) -> None:
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.model = LlavaForConditionalGeneration.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), local_files_only=True).eval()
+        self.dtype = getattr(torch, dtype)
+        cfg = self.model.config
+        self.image_size = cfg.vision_config.image_size
+        self.num_image_tokens = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2
+        self.pad_id = self.processor.tokenizer.pad_token_id
+
+    def batch_inputs(self, reqs: list[Request]) -> dict:
+        ids = [[BOS_ID] + [IMAGE_ID] * self.num_image_tokens + r.text_ids for r in reqs]
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, x in enumerate(ids):  # left padding
+            input_ids[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        images = [make_image(r.image_seed, self.image_size) for r in reqs]
+        pixel_values = self.processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        return {"input_ids": input_ids, "attention_mask": mask, "pixel_values": pixel_values.to(self.dtype)}
+
+    @torch.inference_mode()
+    def generate(self, reqs: list[Request], max_new_tokens: int | None = None, streamer=None) -> torch.Tensor:
+        """Greedy, exactly `max_new_tokens` (default: the batch's longest output) new tokens."""
+        inputs = self.batch_inputs(reqs)
+        n = max_new_tokens or max(r.max_tokens for r in reqs)
+        out = self.model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=self.pad_id, streamer=streamer)
+        return out[:, inputs["input_ids"].shape[1]:]
+
+    def run_static(self, reqs: list[Request], batch_size: int) -> float:
+        """Seconds to serve `reqs` in arrival order, `batch_size` at a time."""
+        start = time.perf_counter()
+        for i in range(0, len(reqs), batch_size):
+            self.generate(reqs[i:i + batch_size])
+        return time.perf_counter() - start
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
+    if not values:
+        return {f"p{q}": float("nan") for q in qs}
+    t = torch.tensor(values, dtype=torch.float64)
+    return {f"p{q}": float(torch.quantile(t, q / 100.0)) for q in qs}

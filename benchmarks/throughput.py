@@ -1,0 +1,137 @@
+"""Offline throughput: mmkit `LLM.generate` vs transformers' static-batch `generate`.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/throughput.py --dtype bfloat16 --workload mixed \
+        [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json]
+
+The workload is seeded: prompts of 16-64 random text tokens after one image, output lengths
+forced (mmkit `ignore_eos`, transformers `min_new_tokens = max_new_tokens`). transformers runs
+the requests in arrival order in left-padded static batches, each generated to its longest
+output; batch sizes 16, 32, 64 and all-at-once are tried (first repeat) and the best is kept.
+Useful tokens = the requested output lengths. A greedy parity gate runs first (float32:
+outputs must be identical; other dtypes: the agreement rate is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch)
+import torch  # noqa: E402
+
+
+def parity_gate(llm, hf, model_dir: str, dtype: str, num: int, max_tokens: int) -> dict:
+    reqs = common.make_workload("uniform", num, seed=12345, uniform_len=max_tokens)
+    size = common.image_size_of(model_dir)
+    outs = llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
+    mm = [list(o.outputs[0].token_ids) for o in outs]
+    ref = [hf.generate([r]).tolist()[0] for r in reqs]  # batch 1: no padding in the reference
+    same_seqs = sum(a == b for a, b in zip(mm, ref))
+    tok_agree = sum(sum(x == y for x, y in zip(a, b)) for a, b in zip(mm, ref)) / sum(len(b) for b in ref)
+    # First divergence position per request (tokens after one differs are not comparable).
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(mm, ref)]
+    res = {"requests": num, "identical_requests": same_seqs, "token_agreement": tok_agree,
+           "mean_common_prefix": sum(prefix) / len(prefix)}
+    if dtype == "float32" and same_seqs != num:
+        raise SystemExit(f"parity gate FAILED in float32: {res}")
+    return res
+
+
+def time_mmkit(llm, reqs, size: int) -> float:
+    inputs = common.mmkit_inputs(reqs, size)
+    params = common.mmkit_params(reqs)
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    want = [r.max_tokens for r in reqs]
+    if got != want:
+        raise SystemExit("mmkit produced a different number of tokens than requested")
+    return elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--workload", default="mixed", choices=["mixed", "uniform"])
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--uniform-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=30)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the benchmark LLaVA)")
+    p.add_argument("--hf-batch-sizes", default="16,32,64,all")
+    p.add_argument("--parity-requests", type=int, default=4)
+    p.add_argument("--parity-tokens", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    common.set_threads(args.threads)
+    model_dir = args.model or common.build_model(args.num_layers)
+    size = common.image_size_of(model_dir)
+    result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "model": model_dir}
+
+    llm = common.build_llm(model_dir, args.dtype)
+    hf = None if args.skip_hf else common.HFRunner(model_dir, args.dtype)
+    if hf is not None:
+        result["parity"] = parity_gate(llm, hf, model_dir, args.dtype, args.parity_requests, args.parity_tokens)
+        print(f"parity ({args.dtype}): {result['parity']}", flush=True)
+    # Warm-up both (different seed: nothing it caches is reused by the timed runs).
+    warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)
+    time_mmkit(llm, warm, size)
+    if hf is not None:
+        hf.run_static(warm, 8)
+
+    sizes = [s for s in args.hf_batch_sizes.split(",") if s]
+    mm_times, hf_times, sweep = [], [], {}
+    best = None
+    for rep in range(args.repeats):
+        # A fresh seed per repeat so the prefix/encoder caches never hit across repeats.
+        reqs = common.make_workload(args.workload, args.num_requests, seed=rep, uniform_len=args.uniform_len)
+        useful = sum(r.max_tokens for r in reqs)
+        t = time_mmkit(llm, reqs, size)
+        mm_times.append(useful / t)
+        print(f"[{rep}] mmkit: {useful / t:8.1f} tok/s ({t:.1f} s)", flush=True)
+        if hf is None:
+            continue
+        candidates = sizes if best is None else [best]
+        rep_best = 0.0
+        for s in candidates:
+            bs = len(reqs) if s == "all" else int(s)
+            t = hf.run_static(reqs, bs)
+            tps = useful / t
+            sweep.setdefault(s, []).append(tps)
+            print(f"[{rep}] hf batch {s:>4s}: {tps:8.1f} tok/s ({t:.1f} s)", flush=True)
+            rep_best = max(rep_best, tps)
+        if best is None:
+            best = max(sweep, key=lambda k: sweep[k][0])
+        hf_times.append(rep_best)
+
+    result["mmkit_tok_s"] = statistics.median(mm_times)
+    result["mmkit_runs"] = mm_times
+    if hf_times:
+        result["hf_tok_s"] = statistics.median(hf_times)
+        result["hf_runs"] = hf_times
+        result["hf_best_batch"] = best
+        result["hf_sweep"] = sweep
+        result["ratio"] = result["mmkit_tok_s"] / result["hf_tok_s"]
+    result["peak_rss_mb"] = common.peak_rss_mb()
+    print(f"\n{args.workload} {args.dtype} {args.num_requests} req, {args.num_layers} layers, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"mmkit        : {result['mmkit_tok_s']:8.1f} useful output tok/s")
+    if hf_times:
+        print(f"transformers : {result['hf_tok_s']:8.1f} useful output tok/s (best static batch: {best})")
+        print(f"ratio        : {result['ratio']:.2f}x")
+    print(f"peak RSS     : {result['peak_rss_mb']:.0f} MB (both systems in one process)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
