@@ -34,8 +34,12 @@ import torch.nn.functional as F  # noqa: E402
 from common import (GRID, ROOT, TextCache, build_processor, lm_batch, make_config,  # noqa: E402
                     normalize, patch_labels, scenes, square_uint8)
 
-QTYPE_WEIGHTS = {"caption": 3.0, "color": 1.5, "size_color": 1.5, "left_shape": 1.5,
-                 "exists": 1.0, "count": 1.0, "shape": 1.0}
+QTYPE_WEIGHTS = {  # per stage: c leans on the questions that look an object up by its shape
+    "b": {"caption": 3.0, "color": 1.5, "size_color": 1.5, "left_shape": 1.5,
+          "exists": 1.0, "count": 1.0, "shape": 1.0},
+    "c": {"caption": 3.0, "color": 2.5, "size_color": 1.0, "left_shape": 1.5,
+          "exists": 3.0, "count": 0.7, "shape": 0.7},
+}
 STAGES = ("a", "b", "c")
 
 
@@ -109,12 +113,12 @@ def lr_at(step, total, peak, warmup):
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
 
-def sample_qa(rng, qa):
+def sample_qa(rng, qa, weights):
     by = {}
     for q, a, t in qa:
         by.setdefault(t, []).append((q, a))
     types = sorted(by)
-    t = rng.choices(types, weights=[QTYPE_WEIGHTS.get(x, 1.0) for x in types])[0]
+    t = rng.choices(types, weights=[weights.get(x, 1.0) for x in types])[0]
     return rng.choice(by[t])
 
 
@@ -145,8 +149,9 @@ def save_state(args, model, heads, opt, st, processor):
     os.makedirs(tmp)
     model.save_pretrained(os.path.join(tmp, "model"))
     processor.save_pretrained(os.path.join(tmp, "model"))
-    torch.save({"heads": heads.state_dict(), "opt": opt.state_dict() if opt is not None else None},
-               os.path.join(tmp, "train.pt"))
+    torch.save(heads.state_dict(), os.path.join(tmp, "heads.pt"))
+    if opt is not None:  # optional on resume (not committed: see training/.gitignore)
+        torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump(st, f, indent=1)
     old = args.state + ".old"
@@ -173,7 +178,7 @@ def make_optimizer(model, heads, stage, args):
         params = (list(model.model.multi_modal_projector.parameters())
                   + list(model.model.language_model.parameters()) + list(model.lm_head.parameters()))
     else:
-        params = list(model.parameters())
+        params = list(model.parameters()) + (list(heads.parameters()) if args.aux_c > 0 else [])
     for p in model.parameters():
         p.requires_grad_(False)
     for p in params:
@@ -198,7 +203,8 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr-a", type=float, default=2e-3)
     ap.add_argument("--lr-b", type=float, default=1e-3)
-    ap.add_argument("--lr-c", type=float, default=3e-4)
+    ap.add_argument("--lr-c", type=float, default=5e-4)
+    ap.add_argument("--aux-c", type=float, default=1.0, help="weight of the stage-a heads' loss in stage c")
     ap.add_argument("--pool", type=int, default=8000)
     ap.add_argument("--refresh", type=int, default=8, help="new scenes streamed into the pool per step")
     ap.add_argument("--save-every", type=float, default=300.0, help="seconds between resume checkpoints")
@@ -235,10 +241,17 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     log(f"params {n_params/1e6:.2f}M")
     heads = Heads(model.config.vision_config.hidden_size)
-    tp = os.path.join(args.state, "train.pt")
-    saved = torch.load(tp, weights_only=False) if resume and os.path.exists(tp) else None
-    if saved is not None:
-        heads.load_state_dict(saved["heads"])
+    saved = None
+    if resume:
+        saved = {"heads": None, "opt": None}
+        tp = os.path.join(args.state, "train.pt")  # older single-file layout
+        if os.path.exists(tp):
+            saved.update(torch.load(tp, weights_only=False))
+        for key, name in (("heads", "heads.pt"), ("opt", "optimizer.pt")):
+            if os.path.exists(os.path.join(args.state, name)):
+                saved[key] = torch.load(os.path.join(args.state, name), weights_only=False)
+        if saved["heads"] is not None:
+            heads.load_state_dict(saved["heads"])
 
     pool = Pool(args.pool, args.refresh, 0, st["consumed"])
     log(f"pool ready ({args.pool} scenes) in {time.time()-t_start:.0f}s")
@@ -263,7 +276,7 @@ def main():
         peak = {"a": args.lr_a, "b": args.lr_b, "c": args.lr_c}[stage]
         total = steps[stage]
         warm = max(1, min(300, total // 10))
-        t0, run_loss, run_acc, n_log = time.time(), 0.0, None, 0
+        t0, run_loss, run_acc, n_log, run_lm = time.time(), 0.0, None, 0, 0.0
         while st["step"] < total:
             step = st["step"]
             rng = random.Random(args.seed * 1_000_003 + STAGES.index(stage) * 10_000_019 + step)
@@ -277,12 +290,20 @@ def main():
                 loss, accs = heads(feats, pool.lab[idx], pool.count[idx])
             else:
                 idx = [rng.randrange(pool.size) for _ in range(args.batch)]
-                items = [sample_qa(rng, pool.meta[i]) for i in idx]
+                items = [sample_qa(rng, pool.meta[i], QTYPE_WEIGHTS[stage]) for i in idx]
                 ids, mask, labels = lm_batch(cache, items)
                 with ctx():
                     out = model(input_ids=ids, attention_mask=mask,
                                 pixel_values=normalize(pool.pix[torch.tensor(idx)]), labels=labels)
                 loss, accs = out.loss, None
+                if stage == "c" and args.aux_c > 0:  # keep the dense vision supervision going
+                    it = torch.tensor(idx)
+                    with ctx():
+                        feats = model.model.vision_tower(normalize(pool.pix[it]),
+                                                         output_hidden_states=True).hidden_states[-1]
+                    aux, accs = heads(feats, pool.lab[it], pool.count[it])
+                    run_lm += loss.item()
+                    loss = loss + args.aux_c * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
@@ -296,11 +317,13 @@ def main():
             n_log += 1
             if st["step"] % 100 == 0 or st["step"] == total:
                 msg = f"stage {stage} step {st['step']}/{total} loss {run_loss/n_log:.4f} lr {opt.param_groups[0]['lr']:.2e}"
+                if run_lm:
+                    msg += f" lm {run_lm/n_log:.4f}"
                 if run_acc is not None:
                     msg += " acc(shape,colour,size,rank,count) " + ",".join(f"{x/n_log:.3f}" for x in run_acc)
                 msg += f" {n_log/(time.time()-t0):.2f} steps/s"
                 log(msg)
-                t0, run_loss, run_acc, n_log = time.time(), 0.0, None, 0
+                t0, run_loss, run_acc, n_log, run_lm = time.time(), 0.0, None, 0, 0.0
             over = args.time_budget and (time.time() - t_start) > args.time_budget * 60
             if time.time() - last_save > args.save_every or st["step"] == total or over:
                 if st["step"] == total and stage != "c":
