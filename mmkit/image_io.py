@@ -33,7 +33,7 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from mmkit.inputs import MAX_IMAGE_PIXELS
+from mmkit.inputs import MAX_IMAGE_PIXELS, check_image_size
 
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image]
 
@@ -150,13 +150,7 @@ def _load_url(url: str, where: str, timeout: float) -> Image.Image:
 # ---------------------------------------------------------------------- checks and modes
 def _check_pixels(size: tuple[int, int], where: str, name: str) -> None:
     width, height = size
-    if width < 1 or height < 1:
-        raise ValueError(f"{where}: {name} is a {width}x{height} image; expected at least 1x1")
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ValueError(
-            f"{where}: {name} is a {width}x{height} image ({width * height} pixels), decompression-bomb "
-            f"sized; expected at most {MAX_IMAGE_PIXELS} pixels"
-        )
+    check_image_size(where, width, height, what=f"{name}, an image")
 
 
 def _finish(img: Image.Image, where: str, name: str) -> Image.Image:

@@ -241,15 +241,20 @@ def parse_images(where: str, data: Any) -> list[ImageItem]:
     )
 
 
-def _pil_item(where: str, img: Image.Image) -> ImageItem:
-    width, height = img.size
+def check_image_size(where: str, width: int, height: int, what: str = "an image") -> None:
+    """At least 1x1 and at most MAX_IMAGE_PIXELS (refused before anything allocates it)."""
     if width < 1 or height < 1:
-        raise ValueError(f"{where}: got an image of size {width}x{height}; expected at least 1x1")
+        raise ValueError(f"{where}: got {what} of size {width}x{height}; expected at least 1x1")
     if width * height > MAX_IMAGE_PIXELS:
         raise ValueError(
-            f"{where}: got a {width}x{height} image ({width * height} pixels); expected at most "
-            f"{MAX_IMAGE_PIXELS} pixels (decompression-bomb limit)"
+            f"{where}: got {what} of size {width}x{height} ({width * height} pixels), decompression-bomb "
+            f"sized; expected at most {MAX_IMAGE_PIXELS} pixels"
         )
+
+
+def _pil_item(where: str, img: Image.Image) -> ImageItem:
+    width, height = img.size
+    check_image_size(where, width, height)
     item = ImageItem(source=img, width=width, height=height, where=where)
     # NOTE: decode now (a no-op for an image already in memory): a lazily opened, truncated
     # file must fail here, before any request of the call is added, not in a later step.
@@ -277,10 +282,7 @@ def _tensor_items(where: str, data: torch.Tensor, allow_batch: bool) -> list[Ima
             "(NCHW or CHW layout)"
         )
     height, width = int(data.shape[2]), int(data.shape[3])
-    if height < 1 or width < 1:
-        raise ValueError(f"{where}: got an image of size {width}x{height}; expected at least 1x1")
-    if height * width > MAX_IMAGE_PIXELS:
-        raise ValueError(f"{where}: got a {width}x{height} image; expected at most {MAX_IMAGE_PIXELS} pixels")
+    check_image_size(where, width, height)
     if data.dtype in _FLOAT_DTYPES:
         if not bool(torch.isfinite(data).all()):
             raise ValueError(f"{where}: got NaN or Inf pixel values; expected finite floats in [0, 1]")
