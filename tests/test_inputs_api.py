@@ -86,9 +86,11 @@ def test_legacy_arguments_warn_and_match(llm, kwargs, name, new):
 def test_legacy_multi_modal_rows_go_to_each_prompt(llm):
     imgs = [make_image(20), make_image(21)]
     batch = torch.stack([pil_to_tensor(i) for i in imgs])  # [2, 3, H, W]
-    with pytest.warns(DeprecationWarning, match="multi_modal_data="):
+    with pytest.warns(DeprecationWarning) as record:
         old = llm.generate(prompts=[PROMPT, PROMPT], sampling_params=GREEDY, use_tqdm=False,
                            multi_modal_data=MultiModalData(type=MultiModalData.Type.IMAGE, data=batch))
+    messages = [str(w.message) for w in record]
+    assert any("prompts=" in m for m in messages) and any("multi_modal_data=" in m for m in messages)
     new = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs], GREEDY,
                        use_tqdm=False)
     assert ids(old) == ids(new)
