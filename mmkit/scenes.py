@@ -4,10 +4,11 @@ Pure Python + PIL (no torch): ``make_scene(seed)`` is deterministic in the seed.
 1-3 shapes (circle, square, triangle) in six colours (with shade jitter) and two sizes, each in
 its own column (left / centre / right) at a jittered height, on a white or light plain background,
 square images of 64-256 pixels. Every scene carries its caption (shapes listed left to right) and
-question-answer pairs in fixed English templates.
+question-answer pairs in fixed English templates, e.g.
 
-    >>> s = make_scene(3)
-    >>> s.caption, s.qa[0]
+    s = make_scene(2)   # s.image (PIL), s.shapes, s.caption, s.qa
+    s.caption           # 'a small red triangle and a large yellow square'
+    s.qa[0]             # ('What color is the square?', 'yellow', 'color')
 """
 
 from __future__ import annotations
@@ -219,11 +220,11 @@ def draw_shape(shape: str = "circle", color="red", image_size=(200, 200), center
     return render(w, h, [(shape, cx, cy, r, rgb)], background)
 
 
-def test_scenes(n: int, start: int = 0) -> List[Scene]:
+def held_out_scenes(n: int, start: int = 0) -> List[Scene]:
     """The first ``n`` held-out scenes (after skipping ``start``)."""
     return [make_scene(s) for s in test_seeds[start:start + n]]
 
 
 __all__ = ["Scene", "PlacedShape", "make_scene", "draw_shape", "caption_for", "questions_for",
-           "label_mask", "render", "train_seeds", "test_seeds", "test_scenes",
+           "label_mask", "render", "train_seeds", "test_seeds", "held_out_scenes",
            "SHAPES", "COLORS", "SIZES", "QTYPES"]

@@ -36,7 +36,7 @@ def test_checkpoint_is_small_and_in_llava_hf_format():
 
 def test_held_out_accuracy(llm):
     items = []
-    for scene in scene_lib.test_scenes(40, start=OFFSET):
+    for scene in scene_lib.held_out_scenes(40, start=OFFSET):
         for question, answer, qtype in scene.qa:
             items.append((scene.image, question, answer, qtype))
     items = items[:110]
@@ -61,7 +61,7 @@ def test_identical_to_transformers(llm):
     path = default_model_path()
     processor = AutoProcessor.from_pretrained(path)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    for scene in scene_lib.test_scenes(4, start=OFFSET + 100):
+    for scene in scene_lib.held_out_scenes(4, start=OFFSET + 100):
         for question, _, _ in scene.qa[:3] + scene.qa[-1:]:
             prompt = processor.apply_chat_template(chat(scene.image, question), add_generation_prompt=True)
             inputs = processor(text=prompt, images=scene.image, return_tensors="pt")

@@ -56,15 +56,11 @@ def square_uint8(img: Image.Image) -> torch.Tensor:
     return t[:, top:top + IMAGE_SIZE, left:left + IMAGE_SIZE].contiguous()
 
 
-_MEAN255 = (CLIP_MEAN * 255.0).view(3).tolist()
-_STD255 = (CLIP_STD * 255.0).view(3).tolist()
-
-
 def normalize(u8: torch.Tensor) -> torch.Tensor:
     """[N,3,H,W] uint8 -> CLIP-normalised float32 pixel_values (fused like the HF processor)."""
     from torchvision.transforms.v2 import functional as tvF
-    mean = (torch.tensor([0.48145466, 0.4578275, 0.40821073]) * (1.0 / (1 / 255))).tolist()
-    std = (torch.tensor([0.26862954, 0.26130258, 0.27577711]) * (1.0 / (1 / 255))).tolist()
+    mean = (CLIP_MEAN.view(3) * (1.0 / (1 / 255))).tolist()  # as the processor fuses rescale+normalize
+    std = (CLIP_STD.view(3) * (1.0 / (1 / 255))).tolist()
     return tvF.normalize(u8.to(torch.float32), mean, std)
 
 

@@ -46,6 +46,17 @@ def answer_all(model, processor, items, batch_size=32):
     return outs
 
 
+def answer_all_mmkit(model_path, items):
+    """The same answers through mmkit's engine (one batched LLM.chat call, greedy)."""
+    from mmkit import LLM, SamplingParams
+
+    llm = LLM(model_path, dtype="float32")
+    convs = [[{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": q}]}]
+             for img, q in items]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
 def drawing_items():
     items = []
     specs = [("circle", "red", (200, 200), None, None), ("circle", "red", (300, 300), (80, 220), 50),
@@ -70,6 +81,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine", choices=["transformers", "mmkit"], default="transformers",
+                    help="generate with transformers' generate or with mmkit's engine")
     ap.add_argument("--show-errors", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -80,12 +93,16 @@ def main():
     model = LlavaForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
 
     n = max(a.qa_scenes, a.caption_scenes)
-    test = scenes.test_scenes(n, a.start)
+    test = scenes.held_out_scenes(n, a.start)
     qa = [(sc.image, q, ans, t) for sc in test[:a.qa_scenes] for q, ans, t in sc.qa]
     cap = [(sc.image, "Describe the image.", sc.caption, "caption") for sc in test[:a.caption_scenes]]
     draw = drawing_items()
     items = qa + cap + draw
-    preds = answer_all(model, processor, [(im, q) for im, q, _, _ in items], a.batch_size)
+    pairs = [(im, q) for im, q, _, _ in items]
+    if a.engine == "mmkit":
+        preds = answer_all_mmkit(a.model, pairs)
+    else:
+        preds = answer_all(model, processor, pairs, a.batch_size)
 
     def score(lo, hi):
         per, errs = {}, []
@@ -105,6 +122,7 @@ def main():
     total = sum(v[1] for v in per.values())
     res = {
         "model": a.model,
+        "engine": a.engine,
         "questions": total,
         "overall_accuracy": total_ok / max(1, total),
         "per_type": {t: {"accuracy": v[0] / v[1], "n": v[1]} for t, v in sorted(per.items())},
