@@ -1,0 +1,66 @@
+"""Checkpoint resolution and weight-name normalization; a generated image-token id is ordinary."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from mmkit import LLM, SamplingParams
+from mmkit.models.weight_utils import normalize_key
+
+
+@pytest.mark.parametrize("key,expected", [
+    ("language_model.model.layers.0.self_attn.q_proj.weight", "language_model.layers.0.self_attn.q_proj.weight"),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+    ("model.language_model.layers.0.mlp.up_proj.weight", "language_model.layers.0.mlp.up_proj.weight"),
+    ("model.vision_tower.vision_model.embeddings.patch_embedding.weight",
+     "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+    ("model.multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_1.bias"),
+    ("model.language_model.model.norm.weight", "language_model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+])
+def test_every_llava_hf_layout_maps_to_one_name(key, expected):
+    assert normalize_key(key) == expected
+
+
+def test_model_id_from_the_local_hf_cache(tiny_ckpt, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-llava" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_ckpt, snapshot)
+    (cache / "models--acme--tiny-llava" / "refs").mkdir(parents=True)
+    (cache / "models--acme--tiny-llava" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    llm = LLM("acme/tiny-llava", dtype="float32")
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(tiny_ckpt, prompt="Hello", max_new_tokens=6)
+
+
+def test_generated_image_token_is_ordinary_also_after_preemption(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), dtype="float32")
+    engine = llm.llm_engine
+    image_id = engine.config.model.image_token_id
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("r", "A prompt without any image", params)
+    engine.step()
+    engine.step()
+    group = engine.groups["r"]
+    seq = group.seqs[0]
+    # Pretend the model sampled the image token id, then force a preemption: the recompute
+    # must embed it as a token (no image, no placeholder range), never as an image slot.
+    seq.token_ids.append(image_id)
+    seq.read_offset = seq.prefix_offset = 0
+    engine.scheduler._preempt(seq, type("Out", (), {"num_preempted": 0})())
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    generated = outputs[0].outputs[0].token_ids
+    assert generated[2] == image_id and engine.get_metrics()["num_preemptions"] >= 1
+    prefix = list(group.prompt_token_ids) + generated[:3]
+    ref = hf_greedy(tiny_ckpt, input_ids=prefix, max_new_tokens=len(generated) - 3)
+    assert generated[3:] == ref
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
