@@ -59,6 +59,14 @@ def image_size_of(model_dir: str) -> int:
     return AutoConfig.from_pretrained(model_dir, local_files_only=True).vision_config.image_size
 
 
+def add_common_args(p) -> None:
+    """The flags every side-by-side benchmark takes."""
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--num-layers", type=int, default=30, help="decoder layers of the benchmark LLaVA")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
 def set_threads(n: int) -> None:
     torch.set_num_threads(n)
     try:

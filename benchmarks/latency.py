@@ -119,16 +119,13 @@ def mmkit_under_load(llm, reqs, size: int, rate: float, seed: int = 0) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--num-layers", type=int, default=30)
-    p.add_argument("--threads", type=int, default=2)
+    common.add_common_args(p)
     p.add_argument("--batch1-requests", type=int, default=5)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--load-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate (requests/s) of the load run")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-load", action="store_true")
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     common.set_threads(args.threads)
     model_dir = common.build_model(args.num_layers)

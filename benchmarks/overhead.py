@@ -67,13 +67,10 @@ def measure(llm, batch: int, steps: int, image_size: int, seed: int = 7) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    common.add_common_args(p)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=48)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--num-layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     common.set_threads(args.threads)
     model_dir = common.build_model(args.num_layers)

@@ -6,7 +6,6 @@ mmkit's own names, so every component receives the same immutable object.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,8 +256,3 @@ def _image_seq_length(hf_config: Any) -> int | None:
     if strategy == "full" and has_cls:
         num_patches += 1
     return num_patches
-
-
-def replace(config: Any, **changes: Any) -> Any:
-    """`dataclasses.replace`, re-exported for tests that derive a config."""
-    return dataclasses.replace(config, **changes)

@@ -7,7 +7,6 @@ is added, so a bad input at index 7 leaves nothing behind from indices 0..6.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence, TypedDict, Union
 
@@ -198,15 +197,18 @@ def _parse_token_ids(where: str, ids: Any) -> list[int]:
     return list(ids)
 
 
+def multi_modal_from_dict(where: str, mm: dict) -> MultiModalData:
+    """The `{"image": ...}` / `{"image_embeds": ...}` shorthand as a MultiModalData."""
+    unknown = [k for k in mm if k not in _MM_DICT_KEYS]
+    if unknown or len(mm) != 1:
+        raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)}")
+    key, data = next(iter(mm.items()))
+    return MultiModalData(type=_MM_DICT_KEYS[key], data=data)
+
+
 def _attach_multi_modal(where: str, parsed: ParsedPrompt, mm: Any) -> None:
     if isinstance(mm, dict):
-        unknown = [k for k in mm if k not in _MM_DICT_KEYS]
-        if unknown or len(mm) != 1:
-            raise ValueError(
-                f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)}"
-            )
-        key, data = next(iter(mm.items()))
-        mm = MultiModalData(type=_MM_DICT_KEYS[key], data=data)
+        mm = multi_modal_from_dict(where, mm)
     if not isinstance(mm, MultiModalData):
         raise TypeError(
             f"{where}: got {type(mm).__name__}; expected MultiModalData or a dict like {{'image': img}}"
@@ -323,7 +325,3 @@ def _parse_embeds(where: str, data: Any) -> torch.Tensor:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

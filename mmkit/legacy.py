@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmkit.inputs import MultiModalData
+from mmkit.inputs import MultiModalData, multi_modal_from_dict
 
 _NEW_FORMS = {
     "prompts": "llm.generate(\"text\") or llm.generate([\"text\", ...])",
@@ -76,11 +76,7 @@ def legacy_to_inputs(prompts: Any, prompt_token_ids: Any, multi_modal_data: Any,
 def _split_multi_modal(api: str, mm: Any, count: int) -> list[Any]:
     """A batched legacy tensor has one row per prompt: row i goes to prompt i."""
     if isinstance(mm, dict):
-        if len(mm) != 1:
-            raise ValueError(f"{api}: multi_modal_data dict has keys {list(mm)}; expected one key")
-        key, data = next(iter(mm.items()))
-        mtype = MultiModalData.Type.IMAGE_EMBEDS if key == "image_embeds" else MultiModalData.Type.IMAGE
-        mm = MultiModalData(type=mtype, data=data)
+        mm = multi_modal_from_dict(f"{api}: multi_modal_data", mm)
     if isinstance(mm, (list, tuple)):
         if len(mm) != count:
             raise ValueError(f"{api}: multi_modal_data has {len(mm)} entries for {count} prompts; expected one per prompt")

@@ -23,14 +23,16 @@ def _decode(tokenizer, ids: list[int], params: SamplingParams) -> str:
 
 def decode_incrementally(tokenizer, seq: Sequence, params: SamplingParams) -> str:
     """Advance `seq.output_text` with the newly completed characters; return them."""
-    ids = seq.output_token_ids
-    prefix_text = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset], params)
-    new_text = _decode(tokenizer, ids[seq.prefix_offset:], params)
+    # NOTE: slice the sequence's own list: only the short window is copied, never the whole
+    # output (this runs for every generated token).
+    ids, base = seq.token_ids, seq.num_prompt_tokens
+    prefix_text = _decode(tokenizer, ids[base + seq.prefix_offset:base + seq.read_offset], params)
+    new_text = _decode(tokenizer, ids[base + seq.prefix_offset:], params)
     if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(prefix_text):
         return ""  # incomplete character (or nothing visible yet): wait for more tokens
     if not new_text.startswith(prefix_text):
         # A merge changed earlier text (rare); fall back to a full decode for correctness.
-        full = _decode(tokenizer, ids, params)
+        full = _decode(tokenizer, ids[base:], params)
         if full.startswith(seq.output_text):
             delta = full[len(seq.output_text):]
             seq.output_text = full
@@ -40,7 +42,7 @@ def decode_incrementally(tokenizer, seq: Sequence, params: SamplingParams) -> st
         delta = new_text[len(prefix_text):]
         seq.output_text += delta
     seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(ids)
+    seq.read_offset = len(ids) - base
     return delta
 
 

@@ -93,10 +93,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished_seqs(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

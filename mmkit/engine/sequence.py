@@ -74,11 +74,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while the scheduled tokens include prompt (or recomputed) tokens."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def reset_for_recompute(self) -> None:
         """After preemption: the K/V is gone; every token is recomputed on resume."""
         self.num_computed_tokens = 0
@@ -99,7 +94,6 @@ class SequenceGroup:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     # Vision embeddings [num_image_tokens_total, hidden], computed at the first prefill and
     # kept while the request lives so a recompute after preemption or a later prefill chunk
     # does not rerun the vision tower.
@@ -109,7 +103,6 @@ class SequenceGroup:
     pending_forks: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     image_hashes: list[str] | None = None  # content hash per image, computed on first use
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_token_ids(self) -> list[int]:
