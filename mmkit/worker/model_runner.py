@@ -105,10 +105,14 @@ class ModelRunner:
 
     def _sampling_rows(self, s: ScheduledSeq, copies: int) -> list[SamplingRow]:
         group = s.seq.group
-        rows = [SamplingRow(group.params, s.seq.generator, group.prompt_token_ids, s.seq.output_token_ids)]
+        params = group.params
+        # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
+        # in the decode loop for every other request.
+        output_ids = s.seq.output_token_ids if (params.has_penalties or params.min_tokens) else []
+        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids)]
         # Pending forks (n > 1) draw their first token from the same logits row.
         for child in group.pending_forks[: copies - 1]:
-            rows.append(SamplingRow(group.params, child.generator, group.prompt_token_ids, s.seq.output_token_ids))
+            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
