@@ -285,10 +285,23 @@ def test_penalties_change_the_greedy_choice_in_the_sampler():
     base = Sampler()(logits.clone(), [SamplingRow(SamplingParams(temperature=0), None, [], [0, 0])])
     assert base.token_ids == [0]
     for kwargs in ({"frequency_penalty": 0.1}, {"presence_penalty": 0.2}, {"repetition_penalty": 1.1}):
-        out = Sampler()(logits.clone(), [SamplingRow(SamplingParams(temperature=0, **kwargs), None, [], [0, 0])])
+        params = SamplingParams(temperature=0, logprobs=0, **kwargs)
+        out = Sampler()(logits.clone(), [SamplingRow(params, None, [], [0, 0])])
         assert out.token_ids == [1], kwargs
         # Reported logprobs stay those of the raw model distribution.
         assert out.logprobs[0] == pytest.approx(float(logits.log_softmax(-1)[0, 1]))
+
+
+def test_sampler_skips_logprobs_nobody_asked_for():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0], [0.0, 1.0, 1.0, 0.5]])
+    rows = [SamplingRow(SamplingParams(temperature=0), None, [], []) for _ in range(2)]
+    out = Sampler()(logits.clone(), rows)
+    assert out.token_ids == [0, 1]  # ties resolve to the first maximal id, as argmax
+    assert out.logprobs is None and out.ranks is None
+    rows[1] = SamplingRow(SamplingParams(temperature=0, logprobs=1), None, [], [])
+    out = Sampler()(logits.clone(), rows)
+    assert out.logprobs == pytest.approx(logits.log_softmax(-1)[[0, 1], [0, 1]].tolist())
+    assert out.top_ids[1] == [1]
 
 
 def test_repetition_penalty_end_to_end_matches_hf_generate(tiny_ckpt):

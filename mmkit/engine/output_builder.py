@@ -25,7 +25,8 @@ def token_logprobs(tokenizer, sampled_id: int, sampled_lp: float, rank: int | No
 def append_sample(seq: Sequence, out: SamplerOutput, row: int, tokenizer) -> None:
     token = out.token_ids[row]
     seq.token_ids.append(token)
-    seq.cumulative_logprob += out.logprobs[row]
+    if out.logprobs is not None:  # computed only in steps where some request asks for logprobs
+        seq.cumulative_logprob += out.logprobs[row]
     k = seq.group.params.logprobs
     if k is not None:
         seq.logprobs.append(token_logprobs(

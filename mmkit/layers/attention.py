@@ -1,6 +1,7 @@
 """Paged attention: K/V written through a slot mapping, read back through block tables.
 
-This is the torch reference path (CPU and CUDA). Tokens of one step are laid out with all
+Decode attention on CPU runs the C kernel of `cpu_kernels` (blocks read in place) when it
+could be built; otherwise, and on CUDA, the torch path below. Tokens of one step are laid out with all
 decode tokens first (one per sequence, attended in one batched SDPA call over the gathered
 blocks) and then the prefill chunks (one SDPA call each, causal within the chunk).
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from mmkit.layers import cpu_kernels
 
 
 @dataclass
@@ -120,6 +123,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if q.device.type == "cpu":
+        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids,
+                                                 meta.decode_max_blocks, meta.decode_context_lens, scale)
+        if out is not None:
+            return out
+    return decode_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference decode path: gather the live blocks, then one batched SDPA call."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads

