@@ -15,7 +15,8 @@ from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
-from mmkit.layers.rotary import RotaryEmbedding, apply_rotary
+from mmkit.layers import cpu_kernels
+from mmkit.layers.rotary import RotaryEmbedding, StepRope
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -79,7 +80,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: StepRope,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -88,7 +89,7 @@ class LlamaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(num_tokens, nh + 2 * nkv, hd)
         # q and k are adjacent heads of `qkv`: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : nh + nkv], *rope)
+        qk = rope.rotate(qkv, nh + nkv)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv:]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -104,6 +105,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
         self.gate_up_proj: nn.Linear | None = None
 
     @torch.no_grad()
@@ -115,6 +117,10 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.is_silu and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            fused = cpu_kernels.silu_mul_bf16(gate_up)  # one pass instead of silu, then mul
+            if fused is not None:
+                return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -137,9 +143,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: StepRope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        """Returns (this layer's MLP output, the residual stream before it); the next norm adds
+        them (vLLM's convention: each residual add is fused into the following RMSNorm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -162,8 +176,10 @@ class LlamaModel(nn.Module):
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
-        x = inputs_embeds
-        rope = self.rotary.cos_sin(positions, x.dtype)  # looked up once for every layer
+        x, residual = inputs_embeds, None
+        rope = self.rotary.for_positions(positions, x.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]

@@ -3,7 +3,10 @@
 Why C and not torch ops: decode attention over a paged cache in torch must first copy every
 live K/V block of the batch into a dense tensor (`index_select`), then read it again in SDPA;
 at 128 sequences that copy was a third of a decode step. The kernel in `csrc/` reads the
-blocks where they are. It needs no torch headers, so building it is one `cc` call (about a
+blocks where they are. In bfloat16, the decoder's elementwise work (residual add + RMSNorm,
+rotary, SiLU * up) is 4-8 torch ops per step, each a pass over memory with bf16 <-> float
+conversions; `csrc/elementwise_cpu.c` does each in one pass, rounding as transformers does.
+The kernels need no torch headers, so building it is one `cc` call (about a
 second) instead of a C++ extension build (a minute); the shared object is cached under
 `$MMKIT_CACHE_DIR` (default `~/.cache/mmkit`) keyed by the source, the flags, the compiler and
 the CPU, since `-march=native` code must not run on another CPU.
@@ -26,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+_SOURCE_DIR = Path(__file__).with_name("csrc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "fn": the ctypes function, or None once known unavailable
+_state: dict[str, object] = {}  # "lib": the loaded library, or None once known unavailable
 
 
 def kernels_enabled() -> bool:
@@ -57,16 +60,17 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(),
+    sources = sorted(_SOURCE_DIR.glob("*.c"))
+    texts = [f.read_bytes() for f in sorted(_SOURCE_DIR.glob("*.[ch]"))]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
-    target = cache_dir() / f"paged_attention_cpu-{key}.so"
+    target = cache_dir() / f"mmkit_cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     partial = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.part")
-    proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+    proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
@@ -75,32 +79,40 @@ def _build() -> Path:
     return target
 
 
-def _load():
-    # torch is imported first (above), so the kernel's libgomp.so.1 resolves to the OpenMP
+_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "mmkit_paged_decode_attention": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64,
+                                      _I64, _I64, _I64, _FLOAT, _INT, _INT], _INT),
+    "mmkit_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
+    "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
+    "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
+}
+
+
+def _load() -> ctypes.CDLL:
+    # torch is imported first (above), so the library's libgomp.so.1 resolves to the OpenMP
     # runtime torch already loaded: one thread pool, not two competing for the cores.
     lib = ctypes.CDLL(str(_build()))
-    fn = lib.mmkit_paged_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
 
 
-def decode_kernel():
-    """The compiled decode-attention function, or None (disabled, or the build failed)."""
-    if "fn" not in _state:
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (disabled with MMKIT_CPU_KERNELS=0, or the build failed)."""
+    if "lib" not in _state:
         with _lock:
-            if "fn" not in _state:
-                fn = None
+            if "lib" not in _state:
+                lib = None
                 if kernels_enabled():
                     try:
-                        fn = _load()
+                        lib = _load()
                     except Exception as exc:  # noqa: BLE001 - any failure means: use torch
-                        warnings.warn(f"mmkit: the CPU attention kernel is unavailable ({exc}); "
-                                      "decoding uses the slower torch path", RuntimeWarning, stacklevel=2)
-                _state["fn"] = fn
-    return _state["fn"]
+                        warnings.warn(f"mmkit: the CPU kernels are unavailable ({exc}); "
+                                      "the slower torch ops are used instead", RuntimeWarning, stacklevel=2)
+                _state["lib"] = lib
+    return _state["lib"]
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -118,17 +130,63 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [kv_heads, num_blocks, block_size, head_dim]; block_ids: [num_seqs * max_blocks] int64;
     context_lens: [num_seqs] int64. Returns [num_seqs, num_heads, head_dim].
     """
-    fn = decode_kernel()
-    if fn is None or not supports(q, k_cache) or not v_cache.is_contiguous():
+    lib = library()
+    if lib is None or not supports(q, k_cache) or not v_cache.is_contiguous():
         return None
     num_seqs, num_heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     block_ids = block_ids.contiguous()
     context_lens = context_lens.contiguous()
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
-    status = fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+    status = lib.mmkit_paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                 block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
                 head_dim, num_blocks, block_size, scale, _DTYPES[q.dtype], torch.get_num_threads())
     if status != 0:
         raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
+    return out
+
+
+def _bf16_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`weight * bf16(rms_normalize(h))` for h = x, or for h = x + residual, which is then stored
+    into x (in place: x becomes the new residual stream; `residual` is only read).
+    x, residual: [num_tokens, hidden] bf16. None when the kernel cannot run (x untouched)."""
+    lib = library()
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if lib is None or x.dim() != 2 or not _bf16_rows(*tensors):
+        return None
+    out = torch.empty_like(x)
+    lib.mmkit_rms_norm_bf16(out.data_ptr(), x.data_ptr(), (residual if residual is not None else x).data_ptr(),
+                            weight.data_ptr(), x.shape[0], x.shape[1], eps, residual is not None,
+                            torch.get_num_threads())
+    return out
+
+
+def rotary_bf16_(x: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                 signed_sin: torch.Tensor) -> bool:
+    """Rotate the first `num_heads` heads of each row of x ([num_tokens, heads, head_dim] bf16,
+    contiguous) in place, with float32 tables [max_positions, head_dim]. False when the kernel
+    cannot run (x untouched)."""
+    lib = library()
+    if (lib is None or x.dim() != 3 or not _bf16_rows(x) or positions.dtype != torch.long
+            or cos.dtype != torch.float32 or not (cos.is_contiguous() and signed_sin.is_contiguous())):
+        return False
+    positions = positions.contiguous()
+    lib.mmkit_rotary_bf16(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+                          x.shape[0], x.stride(0), num_heads, x.shape[2], torch.get_num_threads())
+    return True
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """`bf16(silu(gate)) * up` for gate_up = [gate | up] ([num_tokens, 2 * inter] bf16)."""
+    lib = library()
+    if lib is None or gate_up.dim() != 2 or not _bf16_rows(gate_up):
+        return None
+    inter = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    lib.mmkit_silu_mul_bf16(out.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
     return out

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmkit.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -13,7 +15,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`, the decoder's
+        pre-norm step with the residual add fused in (vLLM's calling convention). With a
+        residual, x may be overwritten by the sum: pass a tensor the caller owns."""
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            out = cpu_kernels.rms_norm_bf16(x, self.weight, self.eps, residual)
+            if out is not None:
+                return out if residual is None else (out, x)
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual  # HF: residual + hidden_states (the same rounding)
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: normalise in float32 and cast back before the weight, exactly like HF, so
         # float32 outputs are bit-identical and bf16 outputs match HF's rounding.
         # F.rms_norm computes `h * rsqrt(mean(h^2) + eps)` in one kernel (bit-identical to the

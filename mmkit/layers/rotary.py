@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmkit.layers import cpu_kernels
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, text_config, max_positions: int) -> None:
@@ -30,6 +32,9 @@ class RotaryEmbedding(nn.Module):
         signed[:, :half] = -signed[:, :half]
         self.register_buffer("signed_sin", signed, persistent=False)
 
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+        return StepRope(self, positions, dtype)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] cos and signed sin in `dtype` (cast from float32, as HF does)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
@@ -45,3 +50,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
     Equals HF's `x * cos + rotate_half(x) * sin`."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class StepRope:
+    """The rotary embedding of one step's positions, shared by every layer.
+
+    bf16 on CPU rotates in place with the C kernel, reading the float32 tables by position;
+    otherwise cos/sin are gathered once (first use) and `apply_rotary` runs as torch ops.
+    """
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.use_kernel = dtype == torch.bfloat16 and positions.device.type == "cpu"
+
+    def rotate(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """Rotate heads [0, num_heads) of x ([num_tokens, heads, head_dim], e.g. the fused qkv
+        output with q and k first); returns them as [num_tokens, num_heads, head_dim]. x itself
+        may be rotated in place."""
+        if self.use_kernel:
+            if cpu_kernels.rotary_bf16_(x, num_heads, self.positions, self.rotary.cos, self.rotary.signed_sin):
+                return x[:, :num_heads]
+            self.use_kernel = False  # kernel unavailable or layout unsupported: torch from now on
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return apply_rotary(x[:, :num_heads], *self._cos_sin)

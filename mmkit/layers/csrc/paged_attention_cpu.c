@@ -3,56 +3,19 @@
  * `cc -O3 -march=native -fopenmp -shared`; the torch path in attention.py is the reference.
  *
  * Cache layout (per layer): [num_kv_heads, num_blocks, block_size, head_dim], as attention.py.
- * Work item = (sequence, kv head): the `group` query heads that share one KV head are scored
- * together, so every K/V row is read once per item. Scores for the whole context are kept
- * (exact softmax in two passes, over K then over V, float32 throughout); a decode token's
- * context is at most max_model_len, so the per-thread buffer stays small.
+ * Work item = (sequence, kv head): the item's K rows are read once from the cache into a dense
+ * float32 scratch, the `group` query heads sharing that KV head are scored against it, and
+ * likewise for V. Scores for the whole context are kept (exact softmax in two passes, float32
+ * throughout); a decode token's context is at most max_model_len, so the scratch stays small.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* Round to nearest even, as torch's float -> bfloat16 cast. */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max), written so that loops over it
- * vectorize: libm's expf is a scalar call. Range reduction x = n ln2 + r, |r| <= ln2/2, and a
- * degree-6 Taylor polynomial on r: relative error about 2e-7 (1-2 ulp), like torch's own
- * vectorized exp. Results below about 1e-38 flush to 0 (they vanish in the softmax sum). */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float poly = 1.0f / 720.0f;
-    poly = poly * r + 1.0f / 120.0f;
-    poly = poly * r + 1.0f / 24.0f;
-    poly = poly * r + 1.0f / 6.0f;
-    poly = poly * r + 0.5f;
-    poly = poly * r + 1.0f;
-    poly = poly * r + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &poly, sizeof bits);
-    bits += (int32_t)n << 23; /* multiply by 2^n: n >= -126 here, so the exponent stays normal */
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 /* Row `row` of a [*, head_dim] array of `dtype`, as float. */
 static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *base, int64_t row,
@@ -80,42 +43,51 @@ typedef struct {
     float scale;
 } Problem;
 
-/* One (sequence, kv head) item. Inlined with constant head_dim/dtype at the call sites below
- * so the inner loops unroll into whole vector registers. */
+/* Context rows [0, len) of one KV head, gathered block by block into dense float32 rows
+ * (`dst`, [len, head_dim]; L2-resident scratch): each cache row is read from memory once, and the
+ * `group` query heads then stream the dense copy. */
+static inline __attribute__((always_inline)) void load_context(float *restrict dst, const void *cache,
+                                                                const int64_t *table, int64_t len,
+                                                                int64_t first_block_row, int64_t block_size,
+                                                                const int64_t head_dim, const int dtype) {
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const int64_t first = (first_block_row + table[b]) * block_size;
+        const int64_t n = len - t < block_size ? len - t : block_size;
+        for (int64_t i = 0; i < n; i++) load_row(dst + (t + i) * head_dim, cache, first + i, head_dim, dtype);
+        t += n;
+    }
+}
+
+/* One (sequence, kv head) item. Inlined with constant head_dim/dtype at the call sites below,
+ * so the head_dim loops unroll into whole vector registers (the accumulator stays in them). */
 static inline __attribute__((always_inline)) void attend_item(const Problem *p, int64_t item, float *restrict scores,
-                                                               float *restrict qf, float *restrict acc,
-                                                               float *restrict row, const int64_t head_dim,
+                                                               float *restrict rows, const int64_t head_dim,
                                                                const int dtype) {
     const int64_t group = p->num_heads / p->num_kv_heads;
     const int64_t max_len = p->max_blocks * p->block_size;
     const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
     const int64_t len = p->context_lens[s];
     const int64_t *table = p->block_ids + s * p->max_blocks;
-    const int64_t bs = p->block_size;
     const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
     const char *qrow = (const char *)p->q + s * p->q_row_stride * elem;
 
+    /* Pass 1: scores[g, t] = scale * q_g . k_t */
+    load_context(rows, p->k_cache, table, len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
         /* heads h = kvh * group + g share KV head kvh (transformers' repeat_kv order) */
-        load_row(qf + g * head_dim, qrow, kvh * group + g, head_dim, dtype);
-        for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] *= p->scale;
-    }
-    /* Pass 1: scores = q . k over the context, block by block. */
-    for (int64_t b = 0, t = 0; t < len; b++) {
-        const int64_t first = (kvh * p->num_blocks + table[b]) * bs;
-        const int64_t end = t + bs < len ? t + bs : len;
-        for (int64_t slot = first; t < end; t++, slot++) {
-            load_row(row, p->k_cache, slot, head_dim, dtype);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + g * head_dim;
-                float dot = 0.0f;
+        float qg[head_dim];
+        load_row(qg, qrow, kvh * group + g, head_dim, dtype);
+        for (int64_t d = 0; d < head_dim; d++) qg[d] *= p->scale;
+        float *sg = scores + g * max_len;
+        for (int64_t t = 0; t < len; t++) {
+            const float *kt = rows + t * head_dim;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * row[d];
-                scores[g * max_len + t] = dot;
-            }
+            for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kt[d];
+            sg[t] = dot;
         }
     }
-    /* Softmax per query head (normalised at the end, on the accumulator). */
+    /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * max_len;
@@ -125,34 +97,29 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_nonpositive(sg[t] - mx);
+            sg[t] = exp_clamped(sg[t] - mx);
             sum += sg[t];
         }
         sums[g] = sum;
     }
-    /* Pass 2: out = sum_t p_t v_t / sum_t p_t. */
-    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    for (int64_t b = 0, t = 0; t < len; b++) {
-        const int64_t first = (kvh * p->num_blocks + table[b]) * bs;
-        const int64_t end = t + bs < len ? t + bs : len;
-        for (int64_t slot = first; t < end; t++, slot++) {
-            load_row(row, p->v_cache, slot, head_dim, dtype);
-            for (int64_t g = 0; g < group; g++) {
-                const float pr = scores[g * max_len + t];
-                float *ag = acc + g * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) ag[d] += pr * row[d];
-            }
-        }
-    }
+    /* Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt */
+    load_context(rows, p->v_cache, table, len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
+        const float *sg = scores + g * max_len;
+        float acc[head_dim];
+        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const float pr = sg[t];
+            const float *vt = rows + t * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) acc[d] += pr * vt[d];
+        }
         const int64_t at = (s * p->num_heads + kvh * group + g) * head_dim;
         const float inv = 1.0f / sums[g];
-        const float *ag = acc + g * head_dim;
         if (dtype == MMKIT_F32) {
-            for (int64_t d = 0; d < head_dim; d++) ((float *)p->out)[at + d] = ag[d] * inv;
+            for (int64_t d = 0; d < head_dim; d++) ((float *)p->out)[at + d] = acc[d] * inv;
         } else {
-            for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)p->out)[at + d] = f32_to_bf16(ag[d] * inv);
+            for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)p->out)[at + d] = f32_to_bf16(acc[d] * inv);
         }
     }
 }
@@ -177,10 +144,8 @@ int mmkit_paged_decode_attention(
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc((size_t)(group * max_blocks * block_size) * sizeof(float));
-        float *qf = malloc((size_t)(group * head_dim) * sizeof(float));
-        float *acc = malloc((size_t)(group * head_dim) * sizeof(float));
-        float *row = malloc((size_t)head_dim * sizeof(float));
-        if (!scores || !qf || !acc || !row) {
+        float *rows = malloc((size_t)(max_blocks * block_size * head_dim) * sizeof(float));
+        if (!scores || !rows) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -191,17 +156,15 @@ int mmkit_paged_decode_attention(
 #pragma omp atomic read
             stop = failed;
             if (stop) continue;
-            if (dtype == MMKIT_BF16 && head_dim == 64) attend_item(&p, item, scores, qf, acc, row, 64, MMKIT_BF16);
-            else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item(&p, item, scores, qf, acc, row, 128, MMKIT_BF16);
-            else if (dtype == MMKIT_F32 && head_dim == 64) attend_item(&p, item, scores, qf, acc, row, 64, MMKIT_F32);
-            else if (dtype == MMKIT_F32 && head_dim == 128) attend_item(&p, item, scores, qf, acc, row, 128, MMKIT_F32);
-            else if (dtype == MMKIT_BF16) attend_item(&p, item, scores, qf, acc, row, head_dim, MMKIT_BF16);
-            else attend_item(&p, item, scores, qf, acc, row, head_dim, MMKIT_F32);
+            if (dtype == MMKIT_BF16 && head_dim == 64) attend_item(&p, item, scores, rows, 64, MMKIT_BF16);
+            else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item(&p, item, scores, rows, 128, MMKIT_BF16);
+            else if (dtype == MMKIT_F32 && head_dim == 64) attend_item(&p, item, scores, rows, 64, MMKIT_F32);
+            else if (dtype == MMKIT_F32 && head_dim == 128) attend_item(&p, item, scores, rows, 128, MMKIT_F32);
+            else if (dtype == MMKIT_BF16) attend_item(&p, item, scores, rows, head_dim, MMKIT_BF16);
+            else attend_item(&p, item, scores, rows, head_dim, MMKIT_F32);
         }
         free(scores);
-        free(qf);
-        free(acc);
-        free(row);
+        free(rows);
     }
     return failed;
 }

@@ -1,0 +1,99 @@
+/* Fused bfloat16 elementwise kernels for CPU: residual add + RMSNorm, rotary embedding in
+ * place, SiLU(gate) * up. Each replaces 4-8 torch ops (each a full pass over memory with a
+ * bf16 <-> float conversion) by one pass.
+ *
+ * Rounding follows transformers' bf16 arithmetic step by step: every intermediate that HF
+ * materializes as a bf16 tensor is rounded to bf16 here too (round to nearest even), and what
+ * HF computes in float32 is computed in float32. What can differ: the order of the RMSNorm sum
+ * and the exp in SiLU (both within float32 rounding), so an element can land one bf16 ulp
+ * apart. Float32 models keep the torch ops (bit-identical to transformers).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* out = weight * bf16(normalize(h)), with h = x, or, when `add_residual`, h = bf16(x + residual)
+ * written back into x (x is then the decoder's new residual stream; `residual` is only read,
+ * so it may alias anything, e.g. cached embeddings). All [num_tokens, hidden]. */
+void mmkit_rms_norm_bf16(uint16_t *out, uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                         int64_t num_tokens, int64_t hidden, float eps, int add_residual, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        uint16_t *xr = x + t * hidden;
+        const uint16_t *rr = residual + t * hidden;
+        uint16_t *orow = out + t * hidden;
+        float sq = 0.0f;
+        if (add_residual) {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < hidden; i++) {
+                const uint16_t s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+                xr[i] = s;
+                const float h = bf16_to_f32(s);
+                sq += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float h = bf16_to_f32(xr[i]);
+                sq += h * h;
+            }
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) {
+            const float normed = round_bf16(bf16_to_f32(xr[i]) * inv);
+            orow[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `num_heads` heads of each token row of `x`
+ * (q and k are adjacent heads of the fused qkv output): x*cos + roll(x, half)*signed_sin with
+ * cos/sin rounded to bf16 first and each product and the sum rounded, as HF's bf16 ops.
+ * cos, signed_sin: float32 [max_positions, head_dim] (rotary.py's tables). */
+void mmkit_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos, const float *signed_sin,
+                       int64_t num_tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                       int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + positions[t] * head_dim;
+        const float *s = signed_sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            uint16_t *v = x + t * row_stride + h * head_dim;
+            float lo[half], hi[half];
+            for (int64_t i = 0; i < half; i++) {
+                lo[i] = bf16_to_f32(v[i]);
+                hi[i] = bf16_to_f32(v[half + i]);
+            }
+            /* roll by half: element i takes element i + half (first half) or i - half. */
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = round_bf16(lo[i] * round_bf16(c[i])) + round_bf16(hi[i] * round_bf16(s[i]));
+                const float b = round_bf16(hi[i] * round_bf16(c[half + i])) +
+                                round_bf16(lo[i] * round_bf16(s[half + i]));
+                v[i] = f32_to_bf16(a);
+                v[half + i] = f32_to_bf16(b);
+            }
+        }
+    }
+}
+
+/* out[t] = bf16(silu(gate)) * up, gate = gate_up[t, :inter], up = gate_up[t, inter:]. */
+void mmkit_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t num_tokens, int64_t inter,
+                         int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const uint16_t *g = gate_up + t * 2 * inter;
+        const uint16_t *u = g + inter;
+        uint16_t *o = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = bf16_to_f32(g[i]);
+            const float act = round_bf16(x / (1.0f + exp_clamped(-x)));
+            o[i] = f32_to_bf16(act * bf16_to_f32(u[i]));
+        }
+    }
+}
