@@ -61,8 +61,9 @@ def _build() -> Path:
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     sources = sorted(_SOURCE_DIR.glob("*.c"))
+    flags = _FLAGS
     texts = [f.read_bytes() for f in sorted(_SOURCE_DIR.glob("*.[ch]"))]
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS).encode(), compiler.encode(),
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     target = cache_dir() / f"mmkit_cpu-{key}.so"
     if target.exists():
@@ -70,7 +71,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     partial = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.part")
-    proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
+    proc = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial), "-lm"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
