@@ -190,3 +190,53 @@ def test_decode_attention_scale_and_softmax_agree_with_naive():
         for h in range(4):
             p = (k[h // 2] @ q[s, h] / math.sqrt(8)).softmax(-1)
             torch.testing.assert_close(out[s, h], p @ v[h // 2], rtol=0, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_kernel_equals_index_copy(dtype):
+    torch.manual_seed(0)
+    kv_heads, num_blocks, block_size, dim = 3, 10, 4, 16
+    qkv = torch.randn(7, 9 + 2 * kv_heads, dim).to(dtype)
+    k, v = qkv[:, 9:9 + kv_heads], qkv[:, 9 + kv_heads:]  # strided rows, as in the engine
+    slots = torch.tensor([5, 0, 39, 12, 13, 22, 7])
+    ref_k = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, dim), dtype=dtype)
+    ref_v = torch.zeros_like(ref_k)
+    ref_k.view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    ref_v.view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    got_k, got_v = torch.zeros_like(ref_k), torch.zeros_like(ref_v)
+    assert cpu_kernels.write_kv(got_k, got_v, k, v, slots)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    # A layout it does not handle is declined, nothing written.
+    assert not cpu_kernels.write_kv(got_k, got_v, k.transpose(1, 2), v.transpose(1, 2), slots)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_kernel_matches_torch_including_ties(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1000).to(dtype)
+    logits[1, [3, 700, 999]] = 50.0  # ties: the first index wins, as torch.argmax
+    logits[2] = float("-inf")  # all -inf: index 0, as torch
+    logits[3, 999] = float("inf")
+    wide = torch.randn(9, 1500).to(dtype)[:, 200:1200]  # strided rows
+    for x in (logits, wide):
+        assert torch.equal(cpu_kernels.argmax_rows(x), x.float().argmax(dim=-1))
+    logits[4, 10] = float("nan")
+    assert cpu_kernels.argmax_rows(logits) is None  # NaN rows: torch decides
+
+
+def test_greedy_fast_path_equals_general_sampler():
+    from mmkit import SamplingParams
+    from mmkit.layers.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500).bfloat16()
+    logits[0, [5, 9]] = 9.0
+    plain = [SamplingRow(SamplingParams(temperature=0), None, [], []) for _ in range(6)]
+    fast = Sampler()(logits, plain)
+    # A row asking for logprobs forces the general path for the whole batch.
+    mixed = plain[:5] + [SamplingRow(SamplingParams(temperature=0, logprobs=0), None, [], [])]
+    general = Sampler()(logits, mixed)
+    assert fast.token_ids == general.token_ids == logits.float().argmax(-1).tolist()
+    assert fast.token_ids[0] == 5 and fast.logprobs is None

@@ -6,6 +6,9 @@ at 128 sequences that copy was a third of a decode step. The kernel in `csrc/` r
 blocks where they are. In bfloat16, the decoder's elementwise work (residual add + RMSNorm,
 rotary, SiLU * up) is 4-8 torch ops per step, each a pass over memory with bf16 <-> float
 conversions; `csrc/elementwise_cpu.c` does each in one pass, rounding as transformers does.
+Small kernels (KV writes, decode-sized elementwise work) run on the calling thread: under
+OMP_WAIT_POLICY=PASSIVE every OpenMP parallel region wakes a sleeping worker, which costs
+more than the work itself (measured: a 128x576 add takes 79 us with two threads, 9 us with one).
 The kernels need no torch headers, so building it is one `cc` call (about a
 second) instead of a C++ extension build (a minute); the shared object is cached under
 `$MMKIT_CACHE_DIR` (default `~/.cache/mmkit`) keyed by the source, the flags, the compiler and
@@ -87,6 +90,8 @@ _SIGNATURES = {
     "mmkit_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
     "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
     "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
+    "mmkit_argmax_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _INT], _I64),
+    "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], None),
 }
 
 
@@ -145,6 +150,37 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
     return out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Copy rows k, v ([num_tokens, kv_heads, head_dim], heads dense) into the caches
+    ([kv_heads, num_blocks, block_size, head_dim]) at `slot_mapping`. Any dtype: a byte copy,
+    bit-identical to index_copy_. False when the kernel cannot run (nothing written)."""
+    lib = library()
+    if (lib is None or k.device.type != "cpu" or k.dim() != 3 or k.dtype != k_cache.dtype or v.dtype != k.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.long
+            or k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]):
+        return False
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    slot_mapping = slot_mapping.contiguous()
+    lib.mmkit_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
+                       slot_mapping.data_ptr(), k.shape[0], kv_heads, num_blocks * block_size, head_dim,
+                       k.element_size())
+    return True
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """First index of each row's maximum ([rows, vocab] float32 or bf16, rows may be strided),
+    as int64 [rows]; None when the kernel cannot run or a row holds a NaN (torch decides those)."""
+    lib = library()
+    if lib is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in _DTYPES \
+            or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    nan_rows = lib.mmkit_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                                     _DTYPES[logits.dtype], out.data_ptr(), torch.get_num_threads())
+    return out if nan_rows == 0 else None
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmkit.layers import cpu_kernels
 from mmkit.sampling_params import SamplingParams
 
 
@@ -103,9 +104,21 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return (params.is_greedy and not params.has_penalties and not params.min_tokens
+            and params.logprobs is None)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab]; sampled in float32 whatever the model dtype.
+        if logits.device.type == "cpu" and all(_is_plain_greedy(r.params) for r in rows):
+            # Nothing to transform or report: the first maximal index of the raw logits, in one
+            # pass without the float32 copy (argmax over bf16 equals argmax over its float cast).
+            token_ids = cpu_kernels.argmax_rows(logits)
+            if token_ids is not None:
+                return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, ranks=None, top_ids=None,
+                                     top_logprobs=None)
         logits = logits.float()
         wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         # The full log_softmax costs as much as the rest of greedy sampling: only when asked.
