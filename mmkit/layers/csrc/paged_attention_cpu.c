@@ -172,7 +172,8 @@ static inline __attribute__((always_inline)) void load_chunk(float *restrict dst
     }
 }
 
-/* Ask for the cache lines of rows [t0, t0 + n) ahead of use. Blocks sit at random places in
+/* Ask for the cache lines of rows [t0, t0 + n) ahead of use (into L2: L1 prefetches of a
+ * whole block at once stalled on the line-fill buffers). Blocks sit at random places in
  * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
  * kernel's time was spent waiting on the first loads of each block. */
 static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
@@ -182,7 +183,7 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *cac
     for (int64_t i = 0; i < n;) {
         const int64_t run = n - i < block_size - off ? n - i : block_size - off; /* rows left in block b */
         const char *start = (const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes;
-        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) _mm_prefetch(start + byte, _MM_HINT_T0);
+        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) _mm_prefetch(start + byte, _MM_HINT_T1);
         i += run;
         off = 0;
         b++;
