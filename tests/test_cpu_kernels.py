@@ -49,8 +49,8 @@ def _kernel(q, k_cache, v_cache, meta, scale):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 16)])
 def test_decode_kernel_matches_torch_reference(dtype, atol, heads, kv_heads, dim):
-    # lengths: 1 token, exactly one block, one past a block, long
-    q, k_cache, v_cache, meta = _decode_problem([1, 16, 17, 300, 45], heads, kv_heads, dim, 16, dtype,
+    # lengths: 1 token, exactly one block, one past a block, long, longer (scratch grows)
+    q, k_cache, v_cache, meta = _decode_problem([1, 16, 17, 300, 2500, 45], heads, kv_heads, dim, 16, dtype,
                                                 extra_heads=2 * kv_heads)
     assert not q.is_contiguous()  # rows strided as in the engine (q is a slice of qkv)
     scale = dim ** -0.5

@@ -278,6 +278,21 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
 }
 #endif
 
+/* Per-thread scratch that only grows: a decode step calls the kernel once per layer, and
+ * long contexts need buffers past malloc's mmap threshold, which would be mapped, faulted in
+ * and unmapped on every call. Returns NULL when the allocation fails. */
+static float *thread_scratch(int which, size_t count) {
+    static __thread float *buffers[3];
+    static __thread size_t sizes[3];
+    if (sizes[which] < count) {
+        float *grown = realloc(buffers[which], count * sizeof(float));
+        if (grown == NULL) return NULL;
+        buffers[which] = grown;
+        sizes[which] = count;
+    }
+    return buffers[which];
+}
+
 /* Returns 0 on success, 1 when a scratch buffer could not be allocated. */
 int mmkit_paged_decode_attention(
     void *out,                   /* [num_seqs, num_heads, head_dim], contiguous */
@@ -297,9 +312,9 @@ int mmkit_paged_decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc((size_t)(group * max_blocks * block_size) * sizeof(float));
-        float *rows = malloc((size_t)(max_blocks * block_size * head_dim) * sizeof(float));
-        float *acc = malloc((size_t)(group * head_dim) * sizeof(float));
+        float *scores = thread_scratch(0, (size_t)(group * max_blocks * block_size));
+        float *rows = thread_scratch(1, (size_t)(max_blocks * block_size * head_dim));
+        float *acc = thread_scratch(2, (size_t)(group * head_dim));
         if (!scores || !rows || !acc) {
 #pragma omp atomic write
             failed = 1;
@@ -325,9 +340,6 @@ int mmkit_paged_decode_attention(
             else if (dtype == MMKIT_BF16) attend_item(&p, item, scores, rows, head_dim, MMKIT_BF16);
             else attend_item(&p, item, scores, rows, head_dim, MMKIT_F32);
         }
-        free(scores);
-        free(rows);
-        free(acc);
     }
     return failed;
 }
