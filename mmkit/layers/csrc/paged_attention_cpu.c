@@ -310,7 +310,9 @@ int mmkit_paged_decode_attention(
     const int64_t num_items = num_seqs * num_kv_heads;
     int failed = 0;
 
-#pragma omp parallel num_threads(num_threads)
+    /* A small batch (a few short sequences) runs on the calling thread: waking OpenMP's
+     * sleeping worker (OMP_WAIT_POLICY=PASSIVE) costs more than its share of the work. */
+#pragma omp parallel num_threads(num_threads) if (num_items * max_blocks * block_size * head_dim >= (1 << 18))
     {
         float *scores = thread_scratch(0, (size_t)(group * max_blocks * block_size));
         float *rows = thread_scratch(1, (size_t)(max_blocks * block_size * head_dim));
