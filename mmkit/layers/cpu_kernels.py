@@ -9,10 +9,10 @@ conversions; `csrc/elementwise_cpu.c` does each in one pass, rounding as transfo
 Small kernels (KV writes, decode-sized elementwise work) run on the calling thread: under
 OMP_WAIT_POLICY=PASSIVE every OpenMP parallel region wakes a sleeping worker, which costs
 more than the work itself (measured: a 128x576 add takes 79 us with two threads, 9 us with one).
-The kernels need no torch headers, so building it is one `cc` call (about a
-second) instead of a C++ extension build (a minute); the shared object is cached under
-`$MMKIT_CACHE_DIR` (default `~/.cache/mmkit`) keyed by the source, the flags, the compiler and
-the CPU, since `-march=native` code must not run on another CPU.
+The kernels need no torch headers, so building them is one `cc` call (about a second)
+instead of a C++ extension build (a minute); the shared object is cached under
+`$MMKIT_CACHE_DIR` (default `~/.cache/mmkit`) keyed by the sources, the flags, the compiler
+(path and version) and the CPU, since `-march=native` code must not run on another CPU.
 
 When no compiler is found or the build fails, mmkit warns once and keeps the torch path (same
 results, slower decode). `MMKIT_CPU_KERNELS=0` turns the kernels off (A/B measurements).
@@ -64,9 +64,9 @@ def _build() -> Path:
     if not compiler:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     sources = sorted(_SOURCE_DIR.glob("*.c"))
-    flags = _FLAGS
     texts = [f.read_bytes() for f in sorted(_SOURCE_DIR.glob("*.[ch]"))]
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), compiler.encode(),
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS).encode(), compiler.encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     target = cache_dir() / f"mmkit_cpu-{key}.so"
     if target.exists():
@@ -74,7 +74,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     partial = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.part")
-    proc = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial), "-lm"],
+    proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
