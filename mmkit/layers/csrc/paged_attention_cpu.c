@@ -31,6 +31,34 @@ static inline __attribute__((always_inline)) void load_row(float *restrict dst, 
     }
 }
 
+/* Rows [0, len) of scores[g * stride ...] for each of `group` heads become exp(score - max);
+ * sums[g] gets their sum (the softmax is normalised on the output). */
+static inline void softmax_numerators(float *scores, int64_t group, int64_t stride, int64_t len, float *sums) {
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * stride;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_clamped(sg[t] - mx);
+            sum += sg[t];
+        }
+        sums[g] = sum;
+    }
+}
+
+/* out[at .. at + head_dim) = acc * scale, in the output dtype. */
+static inline __attribute__((always_inline)) void store_head(void *out, int64_t at, const float *acc, float scale,
+                                                              const int64_t head_dim, const int dtype) {
+    if (dtype == MMKIT_F32) {
+        for (int64_t d = 0; d < head_dim; d++) ((float *)out)[at + d] = acc[d] * scale;
+    } else {
+        for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)out)[at + d] = f32_to_bf16(acc[d] * scale);
+    }
+}
+
 typedef struct {
     void *out;
     const void *q;
@@ -89,19 +117,7 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     }
     /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * max_len;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_clamped(sg[t] - mx);
-            sum += sg[t];
-        }
-        sums[g] = sum;
-    }
+    softmax_numerators(scores, group, max_len, len, sums);
     /* Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt */
     load_context(rows, p->v_cache, table, len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
@@ -114,13 +130,7 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) acc[d] += pr * vt[d];
         }
-        const int64_t at = (s * p->num_heads + kvh * group + g) * head_dim;
-        const float inv = 1.0f / sums[g];
-        if (dtype == MMKIT_F32) {
-            for (int64_t d = 0; d < head_dim; d++) ((float *)p->out)[at + d] = acc[d] * inv;
-        } else {
-            for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)p->out)[at + d] = f32_to_bf16(acc[d] * inv);
-        }
+        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc, 1.0f / sums[g], head_dim, dtype);
     }
 }
 
@@ -232,21 +242,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
             _mm512_mask_storeu_ps(scores + g * max_len + t0, (__mmask16)((1u << n) - 1u), reduce16(part));
         }
     }
-    /* Softmax numerators and sums (normalised on the output). */
+    /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * max_len;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_clamped(sg[t] - mx);
-            sum += sg[t];
-        }
-        sums[g] = sum;
-    }
+    softmax_numerators(scores, group, max_len, len, sums);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -266,14 +264,8 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        const int64_t at = (s * p->num_heads + kvh * group + g) * head_dim;
-        const float inv = 1.0f / sums[g];
-        const float *ag = acc_all + g * head_dim;
-        if (dtype == MMKIT_F32) {
-            for (int64_t d = 0; d < head_dim; d++) ((float *)p->out)[at + d] = ag[d] * inv;
-        } else {
-            for (int64_t d = 0; d < head_dim; d++) ((uint16_t *)p->out)[at + d] = f32_to_bf16(ag[d] * inv);
-        }
+        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc_all + g * head_dim,
+                   1.0f / sums[g], head_dim, dtype);
     }
 }
 #endif
