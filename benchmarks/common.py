@@ -103,6 +103,14 @@ def build_llm(model_dir: str, dtype: str, **kwargs):
     return LLM(model_dir, dtype=dtype, seed=0, **kwargs)
 
 
+def setup(args, model_dir: str | None = None):
+    """What every script does first, from its common flags: threads, the benchmark checkpoint
+    (built once, cached), mmkit's LLM. Returns (model_dir, image_size, llm)."""
+    set_threads(args.threads)
+    model_dir = model_dir or build_model(args.num_layers)
+    return model_dir, image_size_of(model_dir), build_llm(model_dir, args.dtype)
+
+
 # ---------------------------------------------------------------------- transformers
 class HFRunner:
     """transformers' LlavaForConditionalGeneration.generate in left-padded static batches."""

@@ -72,10 +72,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    common.set_threads(args.threads)
-    model_dir = common.build_model(args.num_layers)
-    llm = common.build_llm(model_dir, args.dtype)
-    size = common.image_size_of(model_dir)
+    _, size, llm = common.setup(args)
     measure(llm, 4, 4, size, seed=99)  # warm-up
     runs = [measure(llm, args.batch, args.steps, size, seed=r) for r in range(args.repeats)]
     runs.sort(key=lambda r: r["overhead_fraction"])

@@ -90,7 +90,7 @@ def measure(config, decoder, lm_head, batch: int, context_len: int, steps: int, 
         # Batch preparation is part of the step, as in the engine.
         meta = AttentionMetadata(slot_mapping=torch.tensor(
             [t[pos // block_size] * block_size + pos % block_size for t in tables], device=device))
-        build_decode_metadata(meta, tables, [pos + 1] * batch, block_size, dtype, device)
+        build_decode_metadata(meta, tables, [pos + 1] * batch, block_size, device)
         positions = torch.full((batch,), pos, dtype=torch.long, device=device)
         hidden = decoder(decoder.embed_tokens(token_ids), positions, kv_caches, meta)
         return lm_head(hidden).argmax(dim=-1)

@@ -26,9 +26,8 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch)
 import torch  # noqa: E402
 
 
-def parity_gate(llm, hf, model_dir: str, dtype: str, num: int, max_tokens: int) -> dict:
+def parity_gate(llm, hf, size: int, dtype: str, num: int, max_tokens: int) -> dict:
     reqs = common.make_workload("uniform", num, seed=12345, uniform_len=max_tokens)
-    size = common.image_size_of(model_dir)
     outs = llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
     mm = [list(o.outputs[0].token_ids) for o in outs]
     ref = [hf.generate([r]).tolist()[0] for r in reqs]  # batch 1: no padding in the reference
@@ -69,15 +68,11 @@ def main() -> None:
     p.add_argument("--parity-tokens", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
     args = p.parse_args()
-    common.set_threads(args.threads)
-    model_dir = args.model or common.build_model(args.num_layers)
-    size = common.image_size_of(model_dir)
+    model_dir, size, llm = common.setup(args, args.model)
     result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "model": model_dir}
-
-    llm = common.build_llm(model_dir, args.dtype)
     hf = None if args.skip_hf else common.HFRunner(model_dir, args.dtype)
     if hf is not None:
-        result["parity"] = parity_gate(llm, hf, model_dir, args.dtype, args.parity_requests, args.parity_tokens)
+        result["parity"] = parity_gate(llm, hf, size, args.dtype, args.parity_requests, args.parity_tokens)
         print(f"parity ({args.dtype}): {result['parity']}", flush=True)
     # Warm-up both (different seed: nothing it caches is reused by the timed runs).
     warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)

@@ -54,16 +54,18 @@ def pil_to_tensor(img: Image.Image) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def _hf_model(path: str):
+def _hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
     return model, AutoProcessor.from_pretrained(path)
 
 
-def hf_greedy(path, prompt=None, images=None, input_ids=None, max_new_tokens=16) -> list[int]:
-    """transformers' own greedy generate: the reference for every parity test."""
-    model, processor = _hf_model(str(path))
+def hf_greedy(path, prompt=None, images=None, input_ids=None, max_new_tokens=16, dtype=torch.float32,
+              ignore_eos=False) -> list[int]:
+    """transformers' own greedy generate: the reference for every parity test. `ignore_eos`
+    forces exactly max_new_tokens (HF's min_new_tokens), as mmkit's ignore_eos does."""
+    model, processor = _hf_model(str(path), dtype)
     if prompt is not None:
         inputs = processor(text=prompt, images=images, return_tensors="pt")
     else:
@@ -71,7 +73,8 @@ def hf_greedy(path, prompt=None, images=None, input_ids=None, max_new_tokens=16)
         if images is not None:
             inputs["pixel_values"] = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens if ignore_eos else None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 

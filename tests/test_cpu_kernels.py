@@ -35,7 +35,7 @@ def _decode_problem(lens, heads, kv_heads, dim, block_size, dtype, seed=0, extra
         tables.append(order[at:at + n])
         at += n
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long))
-    build_decode_metadata(meta, tables, list(lens), block_size, dtype, torch.device("cpu"))
+    build_decode_metadata(meta, tables, list(lens), block_size, torch.device("cpu"))
     qkv = torch.randn(len(lens), heads + extra_heads, dim, generator=gen).to(dtype)
     return qkv[:, :heads], k_cache, v_cache, meta
 

@@ -70,7 +70,7 @@ def test_paged_attention_matches_naive(device, dtype):
         PrefillChunk(3 + prompt_len, chunk_new, chunk_cached + chunk_new, torch.tensor(tables[3], device=device)),
     ])
     # decodes are sequences 0..2 of `hist`; sequence 3 of hist is the chunk's prefix
-    build_decode_metadata(meta, tables[:3], [n + 1 for n in decode_lens], bs, dtype, torch.device(device))
+    build_decode_metadata(meta, tables[:3], [n + 1 for n in decode_lens], bs, torch.device(device))
     scale = 1 / math.sqrt(dim)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -134,18 +134,23 @@ def test_packed_bf16_linear_matches_f_linear():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_engine_runs_and_mostly_agrees_with_hf(gqa_tied_ckpt, device):
-    """bfloat16 is the fast path: full-length outputs, and the first tokens agree with HF's bf16."""
-    prompt = "Write a haiku about the sea."
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "gqa_tied_ckpt"])
+def test_bf16_engine_matches_hf_bf16(ckpt, device, request):
+    """bfloat16 is the fast path (on CPU: the C kernels): greedy tokens equal transformers'
+    own bfloat16 generate, whatever the batch position."""
     from mmkit import LLM
 
-    llm = LLM(str(gqa_tied_ckpt), dtype="bfloat16", device=device)
-    out = llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    path = request.getfixturevalue(ckpt)
+    prompts = ["Write a haiku about the sea.", "the quick brown fox", "a photo of", "Tell me a long story"]
+    llm = LLM(str(path), dtype="bfloat16", device=device)
+    out = llm.generate(prompts + prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
-    assert out[0].outputs[0].token_ids == out[2].outputs[0].token_ids  # batch position does not matter
-    ref = hf_greedy(gqa_tied_ckpt, prompt=prompt, max_new_tokens=12)  # float32 reference
-    assert out[0].outputs[0].token_ids[:2] == ref[:2]
+    got = [list(o.outputs[0].token_ids) for o in out]
+    assert got[0] == got[-1]  # batch position does not matter
+    for prompt, tokens in zip(prompts, got):
+        ref = hf_greedy(path, prompt=prompt, max_new_tokens=12, dtype=torch.bfloat16, ignore_eos=True)
+        # CUDA's bf16 kernels round differently from transformers' CPU reference: first tokens there.
+        assert (tokens if device == "cpu" else tokens[:2]) == (ref if device == "cpu" else ref[:2]), prompt
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:

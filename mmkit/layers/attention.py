@@ -45,19 +45,20 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None = None
     decode_max_blocks: int = 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
-    # Additive mask in the model dtype, [1, num_decodes, 1, max_blocks * block_size]
-    # (0 = attend, -inf = padding); None when every decode spans the whole padded width.
+    decode_needs_mask: bool = False  # some decode is shorter than the padded width
+    # Additive mask of the torch decode path, [1, num_decodes, 1, max_blocks * block_size]
+    # (0 = attend, -inf = padding): built on its first use in a step and shared by the layers;
+    # the CPU kernel reads exact lengths and never builds it.
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]], context_lens: list[int],
-                          block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                          block_size: int, device: torch.device) -> None:
     """Fill the decode fields of `meta` for one decode token per sequence.
 
     `block_tables[i]` holds sequence i's blocks; `context_lens[i]` counts its tokens including
-    the new one. Only live blocks are gathered (padded to the longest); the additive mask is
-    built only when some sequence is shorter than the padded width.
+    the new one. Only live blocks are listed (padded to the longest with block 0).
     """
     live = [-(-n // block_size) for n in context_lens]
     width = max(live)
@@ -68,12 +69,17 @@ def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]]
     meta.num_decode_tokens = len(block_tables)
     meta.decode_block_ids = _long_tensor(flat, device)
     meta.decode_max_blocks = width
-    lens = torch.tensor(context_lens, dtype=torch.long)
-    meta.decode_context_lens = lens.to(device)
-    if min(context_lens) < width * block_size:
-        masked = torch.arange(width * block_size)[None, :] >= lens[:, None]  # [num_decodes, max_len]
-        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
-        meta.decode_mask = mask[None, :, None, :].to(device)  # [1, num_decodes, 1, max_len]
+    meta.decode_context_lens = _long_tensor(context_lens, device)
+    meta.decode_needs_mask = min(context_lens) < width * block_size
+
+
+def _decode_mask(meta: AttentionMetadata, max_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if meta.decode_needs_mask and meta.decode_mask is None:
+        lens = meta.decode_context_lens
+        masked = torch.arange(max_len, device=lens.device)[None, :] >= lens[:, None]  # [num_decodes, max_len]
+        mask = torch.zeros(masked.shape, dtype=dtype, device=lens.device).masked_fill_(masked, float("-inf"))
+        meta.decode_mask = mask[None, :, None, :]  # [1, num_decodes, 1, max_len]
+    return meta.decode_mask
 
 
 def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -143,7 +149,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     vd = gather_blocks(v_cache, meta.decode_block_ids, num_seqs)
     # Heads h = j * group + i share KV head j (transformers' repeat_kv order).
     qd = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, seqs, group, head_dim]
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+    mask = _decode_mask(meta, kd.shape[2], q.dtype)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return od.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 

@@ -39,11 +39,6 @@ class RotaryEmbedding(nn.Module):
         """[num_tokens, 1, head_dim] cos and signed sin in `dtype` (cast from float32, as HF does)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim] (from `cos_sin`).

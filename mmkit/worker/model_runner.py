@@ -145,7 +145,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills)
         if decode_tables:
-            build_decode_metadata(meta, decode_tables, decode_lens, bs, self.dtype, dev)
+            build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ images
