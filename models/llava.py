@@ -11,6 +11,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
+from mmkit.models.checkpoint_keys import transformers_key_mapper
 from mmkit.models.weight_utils import load_weights
 
 
@@ -44,7 +45,8 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path) -> None:
-        load_weights(self, path, self.tie_word_embeddings)
+        mapper = transformers_key_mapper(self.config, type(self).__name__)
+        load_weights(self, path, self.tie_word_embeddings, mapper)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
         self.language_model.fuse_weights()

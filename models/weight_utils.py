@@ -10,26 +10,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-_TOP_LEVEL = ("vision_tower.", "multi_modal_projector.", "language_model.", "lm_head.")
+from mmkit.models.checkpoint_keys import KeyMapper
+
 # Buffers some old checkpoints carry that mmkit recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
-
-
-def normalize_key(key: str) -> str:
-    """Map every llava-hf naming onto mmkit's module names.
-
-    hub (transformers 4.x): `language_model.model.layers.0...`, `language_model.lm_head.weight`
-    transformers 5:         `model.language_model.layers.0...`, `lm_head.weight`
-    """
-    while True:
-        if key.startswith("model.") and key[len("model."):].startswith(_TOP_LEVEL):
-            key = key[len("model."):]
-        elif key.startswith("language_model.model."):
-            key = "language_model." + key[len("language_model.model."):]
-        elif key.startswith("language_model.lm_head."):
-            key = key[len("language_model."):]
-        else:
-            return key
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -43,27 +27,31 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: Path, key_mapper: KeyMapper) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(checkpoint key, mmkit name, tensor) for every tensor of the checkpoint."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                yield normalize_key(key), f.get_tensor(key)
+                yield key, key_mapper(key), f.get_tensor(key)
 
 
-def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool) -> None:
-    """Copy checkpoint tensors into `model` (converting dtype); error on anything missing."""
+def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_mapper: KeyMapper) -> None:
+    """Copy checkpoint tensors into `model` (converting dtype); error on anything missing.
+
+    `key_mapper` turns checkpoint keys into `model`'s names (see checkpoint_keys.py); the
+    errors name the keys as the checkpoint spells them."""
     params = dict(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iterate_weights(path):
+    for key, name, tensor in iterate_weights(path, key_mapper):
         target = params.get(name)
         if target is None:
             if not name.endswith(_IGNORED_SUFFIXES):
-                unexpected.append(name)
+                unexpected.append(key)
             continue
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"model: weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint; the config "
+                f"model: weight {key!r} has shape {tuple(tensor.shape)} in the checkpoint; the config "
                 f"implies {tuple(target.shape)}"
             )
         with torch.no_grad():

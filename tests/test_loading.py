@@ -5,23 +5,79 @@ import shutil
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import get_llm, hf_greedy
 from mmkit import LLM, SamplingParams
-from mmkit.models.weight_utils import normalize_key
+from mmkit.models.checkpoint_keys import transformers_key_mapper
+from tiny_llava import hub_key
 
 
-@pytest.mark.parametrize("key,expected", [
+LAYOUT_ROWS = [
+    # transformers 4.x hub layout (llava-hf/llava-1.5-7b-hf)
     ("language_model.model.layers.0.self_attn.q_proj.weight", "language_model.layers.0.self_attn.q_proj.weight"),
     ("language_model.lm_head.weight", "lm_head.weight"),
+    ("vision_tower.vision_model.embeddings.class_embedding", "vision_tower.embeddings.class_embedding"),
+    ("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight",
+     "vision_tower.encoder.layers.0.self_attn.q_proj.weight"),
+    # what transformers 5 saves (no vision_model level)
+    ("vision_tower.embeddings.patch_embedding.weight", "vision_tower.embeddings.patch_embedding.weight"),
+    ("multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_1.bias"),
+    # transformers 5 in-memory names (`model.`-prefixed)
     ("model.language_model.layers.0.mlp.up_proj.weight", "language_model.layers.0.mlp.up_proj.weight"),
     ("model.vision_tower.vision_model.embeddings.patch_embedding.weight",
-     "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+     "vision_tower.embeddings.patch_embedding.weight"),
+    ("model.vision_tower.embeddings.patch_embedding.weight", "vision_tower.embeddings.patch_embedding.weight"),
     ("model.multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_1.bias"),
     ("model.language_model.model.norm.weight", "language_model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
-])
-def test_every_llava_hf_layout_maps_to_one_name(key, expected):
-    assert normalize_key(key) == expected
+]
+
+
+@pytest.fixture(scope="module")
+def key_mapper(tiny_ckpt):
+    from transformers import AutoConfig
+
+    return transformers_key_mapper(AutoConfig.from_pretrained(tiny_ckpt), "LlavaForConditionalGeneration")
+
+
+@pytest.mark.parametrize("key,expected", LAYOUT_ROWS)
+def test_every_llava_hf_layout_maps_to_one_name(key_mapper, key, expected):
+    assert key_mapper(key) == expected
+
+
+def test_every_mapped_name_is_a_parameter_of_the_model(key_mapper, tiny_ckpt):
+    """The hub spelling of every real key maps onto mmkit's own parameter names."""
+    from safetensors import safe_open
+
+    llm = get_llm(tiny_ckpt)
+    names = set(llm.llm_engine.model_runner.model.state_dict())
+    with safe_open(str(tiny_ckpt / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fused after loading
+    for key in keys:
+        name = key_mapper(hub_key(key))
+        assert name == key_mapper(key)
+        assert name in names or any(p in name for p in fused), (key, name)
+
+
+def _resave(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_unexpected_and_missing_weights_name_the_checkpoint_keys(tiny_ckpt, tmp_path):
+    extra = _resave(tiny_ckpt, tmp_path / "extra",
+                    lambda s: s.update({"vision_tower.vision_model.head.probe": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"1 unexpected weights.*vision_tower\.vision_model\.head\.probe"):
+        LLM(str(extra), dtype="float32")
+    missing = _resave(tiny_ckpt, tmp_path / "missing",
+                      lambda s: s.pop("language_model.model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 weights.*language_model\.layers\.1\.mlp\.down_proj"):
+        LLM(str(missing), dtype="float32")
 
 
 def test_model_id_from_the_local_hf_cache(tiny_ckpt, tmp_path, monkeypatch):

@@ -97,9 +97,27 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
     return out
 
 
+def hub_key(key: str) -> str:
+    """A checkpoint key (any llava-hf layout) as transformers 4.x wrote it to the hub.
+
+    Written independently of mmkit's loader on purpose: this is the reference layout
+    (`llava-hf/llava-1.5-7b-hf`'s key names)."""
+    if key.startswith("model."):  # transformers 5 in-memory names
+        key = key[len("model."):]
+    if key.startswith("language_model.") and not key.startswith(("language_model.model.",
+                                                                 "language_model.lm_head.")):
+        key = "language_model.model." + key[len("language_model."):]
+    elif key.startswith("lm_head."):
+        key = "language_model." + key
+    elif key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+        key = "vision_tower.vision_model." + key[len("vision_tower."):]
+    return key
+
+
 def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
-    """The same weights the way llava-hf repos on the hub store them: old key names,
-    `rope_theta`, fp16, sharded with an index."""
+    """The same weights the way llava-hf repos on the hub store them (saved by transformers
+    4.x): `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.*`,
+    `rope_theta` in the text config, fp16, sharded with an index."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -107,20 +125,12 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    renamed = {}
-    for key, tensor in state.items():
-        if key.startswith("model.language_model."):
-            key = "language_model.model." + key[len("model.language_model."):]
-        elif key.startswith("model."):
-            key = key[len("model."):]
-        elif key == "lm_head.weight":
-            key = "language_model.lm_head.weight"
-        renamed[key] = tensor.to(torch.float16).contiguous()
+    renamed = {hub_key(key): tensor.to(torch.float16).contiguous() for key, tensor in state.items()}
     keys = sorted(renamed)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}
@@ -130,11 +140,14 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
         weight_map.update({k: name for k in shard})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((src / "config.json").read_text())
-    text = config["text_config"]
-    rope = text.pop("rope_parameters", None) or {}
-    text["rope_theta"] = rope.get("rope_theta", 10000.0)
-    text.pop("rope_scaling", None)
+    for text in [config["text_config"]] + ([config["vision_config"]] if "vision_config" in config else []):
+        rope = text.pop("rope_parameters", None) or {}
+        if "rope_theta" in rope:
+            text["rope_theta"] = rope["rope_theta"]
+        text.pop("rope_scaling", None)
+        text.pop("dtype", None)
     config["torch_dtype"] = "float16"
     config.pop("dtype", None)
+    config["transformers_version"] = "4.45.0.dev0"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
