@@ -24,8 +24,13 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 
 def default_model_path() -> Path:
-    """The embedded default checkpoint shipped in the repository's `assets/`."""
-    return Path(__file__).resolve().parent.parent / "assets" / "default-model"
+    """The embedded default checkpoint, shipped as package data (`mmkit/default_model/`).
+
+    Found through `importlib.resources`, so editable installs, `pip install .` and wheels
+    all resolve it (wheels and source installs unpack package data as real files)."""
+    from importlib.resources import files
+
+    return Path(str(files("mmkit") / "default_model"))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 ASSETS = Path("..") / "assets" if Path("../assets").exists() else Path("assets")'''
 
 cap = nb([
-"md:# Image captioning with mmkit\n\nCaption pictures with the embedded default model (a small LLaVA trained on synthetic shape scenes). `LLM()` with no `model` loads it from `assets/default-model`; pass `model=\"path/to/llava-checkpoint\"` for any llava-hf checkpoint.",
+"md:# Image captioning with mmkit\n\nCaption pictures with the embedded default model (a small LLaVA trained on synthetic shape scenes). `LLM()` with no `model` loads it from `mmkit/default_model`; pass `model=\"path/to/llava-checkpoint\"` for any llava-hf checkpoint.",
 SETUP,
 '''from mmkit import LLM, SamplingParams, MultiModalData
 from PIL import Image

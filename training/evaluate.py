@@ -1,6 +1,6 @@
 """Evaluate a default-model checkpoint with transformers on held-out scenes (greedy, batched).
 
-    OMP_WAIT_POLICY=PASSIVE python training/evaluate.py assets/default-model \
+    OMP_WAIT_POLICY=PASSIVE python training/evaluate.py mmkit/default_model \
         --qa-scenes 100 --caption-scenes 200 --json training/eval.json
 
 Questions: every template question of the first --qa-scenes held-out scenes (test seeds, disjoint
@@ -74,7 +74,7 @@ def drawing_items():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", nargs="?", default="assets/default-model")
+    ap.add_argument("model", nargs="?", default="mmkit/default_model")
     ap.add_argument("--qa-scenes", type=int, default=100)
     ap.add_argument("--caption-scenes", type=int, default=200)
     ap.add_argument("--start", type=int, default=0, help="skip this many held-out scenes")

@@ -1,7 +1,7 @@
 """Train mmkit's embedded default model (a tiny LLaVA) on procedural shape scenes, on CPU.
 
     OMP_WAIT_POLICY=PASSIVE python training/train_default_model.py --threads 2 \
-        --steps-a 3000 --steps-b 6000 --steps-c 6000 --export assets/default-model
+        --steps-a 3000 --steps-b 6000 --steps-c 6000 --export mmkit/default_model
 
 Three stages (a tiny vision tower learns too slowly from the language-model loss alone):
   a. the CLIP vision tower alone, with dense heads on every patch (shape / colour / size / rank
@@ -193,7 +193,7 @@ def make_optimizer(model, heads, stage, args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state", default=os.path.join(ROOT, "training", "state"))
-    ap.add_argument("--export", default=None, help="write the final checkpoint here (e.g. assets/default-model)")
+    ap.add_argument("--export", default=None, help="write the final checkpoint here (e.g. mmkit/default_model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps-a", type=int, default=3000)
