@@ -1,4 +1,4 @@
-"""mmkit's Llama-family decoder on the paged KV cache.
+"""mmkit's Llama-family decoder on the paged KV cache (Llama/Vicuna, Mistral, Qwen2).
 
 Parameter names follow transformers' LlamaModel (`embed_tokens`, `layers.N.self_attn.q_proj`,
 ...) so checkpoints load without renaming. Tokens of a step come flattened:
@@ -66,11 +66,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(config, "attention_bias", False))
+        # Qwen2 adds a bias to q/k/v (not to o_proj) and has no `attention_bias` field.
+        qkv_bias = bias or getattr(config, "model_type", None) == "qwen2"
         hidden = config.hidden_size
         # Checkpoint names; `fuse_weights` (after loading) replaces them by one `qkv_proj`.
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.qkv_proj: nn.Linear | None = None
 

@@ -9,7 +9,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
 }
 # Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
-SUPPORTED_TEXT_MODELS = ("llama", "mistral")
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
 
 

@@ -54,14 +54,44 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384):
     return fast
 
 
+def tiny_text_config(text_type: str, tokenizer, **kw):
+    """A tiny decoder config of `text_type` ("llama", "mistral" or "qwen2"), built with
+    transformers' own config class."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[text_type]
+    if text_type == "llama":
+        kw.pop("sliding_window", None)
+    return cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kw)
+
+
+def tiny_vision(vision_type: str, image_size: int, patch_size: int):
+    """(vision config, image processor, extra tokens the processor counts) for "clip" or "siglip"."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, SiglipImageProcessor, SiglipVisionConfig
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=image_size, patch_size=patch_size)
+    if vision_type == "siglip":
+        return (SiglipVisionConfig(**common),
+                SiglipImageProcessor(size={"height": image_size, "width": image_size}), 0)
+    return (CLIPVisionConfig(projection_dim=32, **common),
+            CLIPImageProcessor(size={"shortest_edge": image_size},
+                               crop_size={"height": image_size, "width": image_size}), 1)
+
+
 def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 4,
                      tie_word_embeddings: bool = False, text_layers: int = 2, hidden: int = 64,
                      num_heads: int = 4, image_size: int = 32, patch_size: int = 8,
                      max_position_embeddings: int = 512, init_std: float = 0.08,
-                     intermediate: int | None = None, vocab_size: int = 384, tokenizer=None) -> Path:
-    """Save a random LLaVA (CLIP tower + projector + Llama decoder) with its processor."""
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, GenerationConfig, LlamaConfig,
-                              LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor)
+                     intermediate: int | None = None, vocab_size: int = 384, tokenizer=None,
+                     text_type: str = "llama", vision_type: str = "clip",
+                     vision_feature_layer: int | list[int] = -2, select_strategy: str = "default",
+                     sliding_window: int | None = None) -> Path:
+    """Save a random LLaVA (CLIP/SigLIP tower + projector + Llama/Mistral/Qwen2 decoder) with
+    its processor."""
+    from transformers import (GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,30 +99,26 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
         tokenizer = build_tokenizer(out, vocab_size)
     else:
         tokenizer.save_pretrained(out)
-    vocab = len(tokenizer)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, image_size=image_size, patch_size=patch_size,
-                              projection_dim=32)
-    text = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
-                       num_hidden_layers=text_layers, num_attention_heads=num_heads,
-                       num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
-                       tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       initializer_range=init_std)
+    vision, image_processor, num_additional = tiny_vision(vision_type, image_size, patch_size)
+    text = tiny_text_config(text_type, tokenizer, hidden_size=hidden,
+                            intermediate_size=intermediate or hidden * 2, num_hidden_layers=text_layers,
+                            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                            max_position_embeddings=max_position_embeddings,
+                            tie_word_embeddings=tie_word_embeddings, initializer_range=init_std,
+                            sliding_window=sliding_window)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
-                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         vision_feature_layer=vision_feature_layer,
+                         vision_feature_select_strategy=select_strategy,
                          projector_hidden_act="gelu", tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
-                                         crop_size={"height": image_size, "width": image_size})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                               num_additional_image_tokens=1, vision_feature_select_strategy="default",
-                               chat_template=CHAT_TEMPLATE)
+                               num_additional_image_tokens=num_additional,
+                               vision_feature_select_strategy=select_strategy, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out)
     return out
 

@@ -56,13 +56,20 @@ class LLMEngine:
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
         return processed, params
 
+    def _window_note(self, max_len: int) -> str:
+        window = self.config.model.sliding_window
+        if window is None or window != max_len:
+            return ""
+        return (f" (the decoder's sliding attention window of {window} tokens; mmkit does not "
+                f"implement sliding-window attention yet)")
+
     def _check_fits(self, request_id: str, index: int, num_tokens: int) -> None:
         max_len = self.config.scheduler.max_model_len
         where = f"inputs[{index}] (request {request_id!r})"
         if num_tokens > max_len:
             raise ValueError(
                 f"{where}: the prompt is {num_tokens} tokens (text plus image tokens); expected at most "
-                f"max_model_len = {max_len}"
+                f"max_model_len = {max_len}{self._window_note(max_len)}"
             )
         bs = self.config.cache.block_size
         cache_tokens = self.block_manager.num_blocks * bs
