@@ -55,9 +55,10 @@ def pil_to_tensor(img: Image.Image) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def _hf_model(path: str, dtype: torch.dtype = torch.float32):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    # The checkpoint's own class (LLaVA, LLaVA-NeXT, LLaVA-OneVision).
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
     return model, AutoProcessor.from_pretrained(path)
 
 
@@ -70,8 +71,8 @@ def hf_greedy(path, prompt=None, images=None, input_ids=None, max_new_tokens=16,
         inputs = processor(text=prompt, images=images, return_tensors="pt")
     else:
         inputs = {"input_ids": torch.tensor([input_ids]), "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
-        if images is not None:
-            inputs["pixel_values"] = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        if images is not None:  # pixel_values (and image_sizes for anyres families)
+            inputs.update(processor.image_processor(images=images, return_tensors="pt"))
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens if ignore_eos else None)
