@@ -3,6 +3,7 @@ equal transformers' (float32) for a mixed batch, also with chunked prefill, forc
 and the same weights re-saved in the transformers-4.x hub layout."""
 
 import pytest
+import torch
 
 from conftest import DEVICES, hf_greedy, make_image
 from mmkit import LLM, SamplingParams
@@ -116,3 +117,31 @@ def test_mistral_sliding_window_limits_sequences_to_the_window(tmp_path):
     assert len(out.outputs[0].token_ids) == 40 - num_prompt and out.outputs[0].finish_reason == "length"
     assert out.outputs[0].token_ids == hf_greedy(path, prompt="Hello", max_new_tokens=40 - num_prompt,
                                                  ignore_eos=True)
+
+
+def prefix_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of reference tokens generated before the first divergence (1.0 = all equal)."""
+    agreed = 0
+    for g, r in zip(got, ref):
+        n = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+        agreed += n
+    return agreed / sum(len(r) for r in ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_agrees_with_transformers_bf16(variant, device):
+    """bf16 is rounding-sensitive (near-ties can flip): whole sequences are compared and the
+    agreement rate (tokens before the first divergence) is reported and must be >= 90%."""
+    name, path = variant
+    llm = LLM(str(path), dtype="bfloat16", device=device)
+    image = make_image(9, 50, 40)
+    cases = [dict(prompt="Write a haiku about the sea."), dict(prompt="the quick brown fox"),
+             dict(prompt=PROMPT1, images=image)]
+    inputs = [c["prompt"] if "images" not in c else {"prompt": c["prompt"], "multi_modal_data": {"image": image}}
+              for c in cases]
+    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    ref = [hf_greedy(path, max_new_tokens=16, dtype=torch.bfloat16, ignore_eos=True, **c) for c in cases]
+    rate = prefix_agreement(got, ref)
+    print(f"bf16 agreement {name} {device}: {rate:.1%}")
+    assert rate >= 0.9, (rate, got, ref)
