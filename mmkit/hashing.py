@@ -24,6 +24,8 @@ def image_content_hash(item: ImageItem) -> str:
     img = item.to_pil()
     h = hashlib.sha256()
     h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
+    if item.layout:
+        h.update(f"layout={item.layout}:".encode())
     h.update(img.tobytes())
     return h.hexdigest()
 

@@ -71,6 +71,10 @@ class ImageItem:
     width: int
     height: int
     where: str = "image"  # e.g. "inputs[3].multi_modal_data[1]", for error messages
+    # How the family's processor lays this image out when it differs by context, e.g.
+    # LLaVA-OneVision's "base_view" for the images of a multi-image prompt ("" = the default).
+    # NOTE: part of the content hash, so cached embeddings and KV blocks never mix layouts.
+    layout: str = ""
 
     def to_pil(self) -> Image.Image:
         """The image as PIL; a lazily opened file that fails to decode is a `ValueError`."""

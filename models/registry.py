@@ -7,7 +7,11 @@ from typing import Any
 # architecture -> (module under mmkit.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("mmkit.models.llava_next", "LlavaNextForConditionalGeneration"),
+    "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
 }
+_BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+                  "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
 # Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
@@ -19,8 +23,8 @@ def supported_architectures() -> list[str]:
 
 def resolve_architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs and getattr(hf_config, "model_type", None) == "llava":
-        archs = ["LlavaForConditionalGeneration"]
+    if not archs:  # an old config without `architectures`: go by model_type
+        archs = [_BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))]
     arch = archs[0] if archs else None
     if arch not in _MODELS:
         raise ValueError(

@@ -13,6 +13,8 @@ __all__ = ["InputProcessor", "ProcessedPrompt", "LlavaInputProcessor", "get_inpu
 # HF `architectures[0]` -> (module, class) of its input processor; one module per family.
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.processors.llava", "LlavaInputProcessor"),
+    "LlavaNextForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaNextInputProcessor"),
+    "LlavaOnevisionForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaOnevisionInputProcessor"),
 }
 
 

@@ -40,16 +40,17 @@ class LlavaInputProcessor:
         self.image_processor = image_processor
         self.chat_template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         self.vocab_size = model_config.vocab_size
-        # The model decides how many placeholder tokens an image takes (a constant for LLaVA-1.5).
-        model_cls = get_model_class(model_config.architecture)
-        self.image_seq_length = model_cls.get_num_placeholder_tokens(model_config.hf_config, (0, 0), image_processor)
+        # The model decides how many placeholder tokens an image takes (a constant for LLaVA-1.5;
+        # size-dependent for anyres families, whose processors override `image_token_counts`).
+        self.model_cls = get_model_class(model_config.architecture)
+        self.image_seq_length = model_config.image_seq_length
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
         if parsed.prompt is not None:
             ids = list(self.tokenizer(parsed.prompt).input_ids)
-            ids, ranges = self._expand(where, ids, allow_expanded=False)
+            ids, ranges = self._expand(where, ids, self.image_token_counts(where, parsed), allow_expanded=False)
         else:
             ids = list(parsed.prompt_token_ids)
             bad = [t for t in ids if t >= self.vocab_size]
@@ -57,7 +58,7 @@ class LlavaInputProcessor:
                 raise ValueError(
                     f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in [0, {self.vocab_size})"
                 )
-            ids, ranges = self._expand(where, ids, allow_expanded=True)
+            ids, ranges = self._expand(where, ids, self.image_token_counts(where, parsed), allow_expanded=True)
         num_images = parsed.num_images
         if num_images > self.max_images:
             raise ValueError(
@@ -83,11 +84,19 @@ class LlavaInputProcessor:
     def _placeholder_name(self) -> str:
         return getattr(self.hf_processor, "image_token", None) or "<image>"
 
-    def _expand(self, where: str, ids: list[int], allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:
-        """Expand each image token to `image_seq_length` copies; return ids and ranges."""
+    def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
+        """Placeholder tokens of each given image, in order (LLaVA-1.5: the same for all)."""
+        n = self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (0, 0), self.image_processor)
+        return [n] * parsed.num_images
+
+    def _expand(self, where: str, ids: list[int], counts: list[int],
+                allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:
+        """Expand the i-th image placeholder to `counts[i]` tokens; return ids and ranges.
+
+        A token-id prompt may hold a run of k placeholders for k images, or (allow_expanded)
+        the runs already expanded: exactly `counts[i] + counts[i+1] + ...` tokens."""
         if self.image_token_id is None or self.image_token_id not in ids:
             return ids, []
-        n = self.image_seq_length
         out: list[int] = []
         ranges: list[PlaceholderRange] = []
         i = 0
@@ -99,16 +108,21 @@ class LlavaInputProcessor:
             run = 1
             while i + run < len(ids) and ids[i + run] == self.image_token_id:
                 run += 1
-            if allow_expanded and run % n == 0:
-                num_images = run // n  # already expanded
-            elif run < n or n == 1:
+            image = len(ranges)
+            first = counts[image] if image < len(counts) else None
+            num_images = _num_expanded_images(run, counts[image:]) if allow_expanded else None
+            if num_images is None:
+                if first is not None and 1 < first <= run:
+                    raise ValueError(
+                        f"{where}: a run of {run} image tokens (id {self.image_token_id}); expected one token "
+                        f"per image or, per image, a run of exactly its number of image tokens "
+                        f"(image {image}: {first})"
+                    )
                 num_images = run  # one token per image
-            else:
-                raise ValueError(
-                    f"{where}: a run of {run} image tokens (id {self.image_token_id}); expected one "
-                    f"token per image or runs of exactly {n} per image"
-                )
-            for _ in range(num_images):
+            for k in range(image, image + num_images):
+                # Placeholders beyond the given images keep one token; the count check after
+                # expansion reports the mismatch.
+                n = counts[k] if k < len(counts) else 1
                 ranges.append(PlaceholderRange(len(out), n))
                 out.extend([self.image_token_id] * n)
             i += run
@@ -131,3 +145,14 @@ class LlavaInputProcessor:
         pil_images = [item.to_pil() for item in images]
         out = self.image_processor(images=pil_images, return_tensors="pt")
         return out["pixel_values"]
+
+
+def _num_expanded_images(run: int, counts: list[int]) -> int | None:
+    """How many of the next images (with these token counts) an already expanded run of
+    `run` tokens covers, or None if it is not a whole number of them."""
+    total = 0
+    for k, n in enumerate(counts):
+        total += n
+        if total >= run:
+            return k + 1 if total == run else None
+    return None

@@ -1,0 +1,108 @@
+"""LLaVA-NeXT and LLaVA-OneVision input processing: the number of placeholder tokens of an
+image depends on its size (anyres), so it is decided per image when the request is added.
+
+The count comes from the checkpoint's own HF processor (`_get_num_multimodal_tokens`, the
+method transformers and vLLM use for this) and is checked against the model's feature count
+for that size (`get_num_placeholder_tokens`); a disagreement (e.g. a processor config whose
+pinpoints or patch size do not match the model's) is refused loudly, before any request is
+added, instead of misaligning embeddings later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.llava import LlavaInputProcessor
+
+# ImageItem.layout of an image that is encoded as its base view alone (OneVision, multi-image).
+BASE_VIEW = "base_view"
+
+
+class LlavaNextInputProcessor(LlavaInputProcessor):
+    """`InputProcessor` of LLaVA-NeXT: size-dependent image-token counts, tiles as views."""
+
+    def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
+        return super().process(self.choose_layouts(parsed))
+
+    def choose_layouts(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        """Hook: OneVision encodes the images of a multi-image prompt differently."""
+        return parsed
+
+    def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
+        if parsed.image_embeds is not None:  # given embeddings fix their own token count
+            return [int(parsed.image_embeds.shape[1])] * parsed.num_images
+        return [self._checked_count(f"{where}.multi_modal_data[{i}]", item) for i, item in enumerate(parsed.images)]
+
+    def _checked_count(self, where: str, item: ImageItem) -> int:
+        base_only = item.layout == BASE_VIEW
+        expected = self._hf_count(item, base_only)
+        got = self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (item.width, item.height),
+                                                        self.image_processor, num_views=1 if base_only else None)
+        if expected != got:
+            raise ValueError(
+                f"{where}: for an image of {item.width}x{item.height} the checkpoint's processor expands "
+                f"{expected} image tokens but the model produces {got} features; the processor config "
+                f"(image_grid_pinpoints, patch_size, vision_feature_select_strategy) does not match the "
+                f"model config"
+            )
+        return expected
+
+    def _hf_count(self, item: ImageItem, base_only: bool) -> int:
+        hf = self.hf_processor
+        if base_only:  # what LlavaOnevisionProcessor expands for an image of a multi-image prompt
+            return hf.num_image_tokens + 1 - int(hf.vision_feature_select_strategy == "default")
+        counts = hf._get_num_multimodal_tokens(image_sizes=[(item.height, item.width)])
+        return int(counts["num_image_tokens"][0])
+
+    def _check_embeds(self, where: str, embeds) -> None:
+        # Any tokens-per-image count is accepted (given embeddings fix their own layout).
+        if embeds.shape[-1] != self.model_config.hidden_size:
+            raise ValueError(
+                f"{where}.multi_modal_data: got image embeddings of shape {tuple(embeds.shape)}; expected "
+                f"[N, num_tokens, {self.model_config.hidden_size}] (hidden_size)"
+            )
+
+    # ------------------------------------------------------------------ at scheduling time
+    def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
+        """{"pixel_values": [num_views, 3, S, S] (base view first, then tiles), "image_sizes": [1, 2]}."""
+        image = item.to_pil()
+        if item.layout == BASE_VIEW:
+            # NOTE: the processor pads an image of a multi-image prompt to a square first; it
+            # learns the prompt's image count from the nesting, so pass this one twice.
+            out = self.image_processor(images=[[image, image]], return_tensors="pt")
+            return {"pixel_values": out["pixel_values"][0][:1], "image_sizes": out["image_sizes"][0]}
+        out = self.image_processor(images=[image], return_tensors="pt")
+        views = self.model_cls.num_views(self.model_config.hf_config, item.height, item.width)
+        return {"pixel_values": out["pixel_values"][0][:views], "image_sizes": out["image_sizes"][0]}
+
+
+class LlavaOnevisionInputProcessor(LlavaNextInputProcessor):
+    """LLaVA-OneVision (images): one image per prompt is tiled (anyres_max); the images of a
+    multi-image prompt are each their base view (as transformers does). Video is refused."""
+
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt)
+        video_token = getattr(self.hf_processor, "video_token", None) or "<video>"
+        video_id = self.tokenizer.convert_tokens_to_ids(video_token)
+        self.video_token = video_token
+        self.video_token_id = video_id if video_id != self.tokenizer.unk_token_id else None
+
+    def choose_layouts(self, parsed: ParsedPrompt) -> ParsedPrompt:
+        where = f"inputs[{parsed.index}]"
+        if getattr(parsed, "videos", None):
+            raise ValueError(f"{where}.multi_modal_data: video inputs are not supported yet for "
+                             f"LlavaOnevisionForConditionalGeneration; expected images")
+        if self.video_token_id is not None:
+            ids = parsed.prompt_token_ids if parsed.prompt is None else self.tokenizer(parsed.prompt).input_ids
+            if self.video_token_id in ids:
+                raise ValueError(
+                    f"{where}: the prompt holds the video placeholder {self.video_token!r}; video inputs are "
+                    f"not supported yet for LlavaOnevisionForConditionalGeneration (expected images only)"
+                )
+        if len(parsed.images) > 1:
+            parsed = replace(parsed, images=[replace(item, layout=BASE_VIEW) for item in parsed.images])
+        return parsed
