@@ -24,6 +24,8 @@ def build_tiny_anyres(out_dir: str | Path, family: str = "llava_next", *, seed: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
+    if family == "llava_onevision":  # its processor names a video token, as the real ones do
+        tokenizer.add_tokens(["<video>"], special_tokens=True)
     vision, _, num_additional = tiny_vision(vision_type, image_size, patch_size)
     text = tiny_text_config(text_type, tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
