@@ -89,3 +89,12 @@ def _cached_llm(path: str, device: str, extra: tuple):
 def get_llm(path, device="cpu", **kwargs):
     """One LLM per (checkpoint, device, kwargs) for the whole session."""
     return _cached_llm(str(path), device, tuple(sorted(kwargs.items())))
+
+
+def prefix_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of reference tokens generated before the first divergence (1.0 = all equal): the
+    bf16 agreement rate, where near-ties can flip under different (equally valid) rounding."""
+    agreed = 0
+    for g, r in zip(got, ref):
+        agreed += next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+    return agreed / sum(len(r) for r in ref)

@@ -5,7 +5,7 @@ and the same weights re-saved in the transformers-4.x hub layout."""
 import pytest
 import torch
 
-from conftest import DEVICES, hf_greedy, make_image
+from conftest import DEVICES, hf_greedy, make_image, prefix_agreement
 from mmkit import LLM, SamplingParams
 from tiny_llava import build_tiny_llava, rewrite_hub_layout
 
@@ -117,15 +117,6 @@ def test_mistral_sliding_window_limits_sequences_to_the_window(tmp_path):
     assert len(out.outputs[0].token_ids) == 40 - num_prompt and out.outputs[0].finish_reason == "length"
     assert out.outputs[0].token_ids == hf_greedy(path, prompt="Hello", max_new_tokens=40 - num_prompt,
                                                  ignore_eos=True)
-
-
-def prefix_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
-    """Share of reference tokens generated before the first divergence (1.0 = all equal)."""
-    agreed = 0
-    for g, r in zip(got, ref):
-        n = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
-        agreed += n
-    return agreed / sum(len(r) for r in ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
