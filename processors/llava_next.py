@@ -25,6 +25,24 @@ BASE_VIEW = "base_view"
 class LlavaNextInputProcessor(LlavaInputProcessor):
     """`InputProcessor` of LLaVA-NeXT: size-dependent image-token counts, tiles as views."""
 
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt)
+        if self.hf_processor is None or not hasattr(self.hf_processor, "_get_num_multimodal_tokens"):
+            raise ValueError(
+                f"model: {model_config.architecture} needs the checkpoint's processor (processor_config.json "
+                f"or preprocessor_config.json and the tokenizer files) in {model_config.path!r}"
+            )
+        # Processor configs saved before these fields existed leave them None; the model config
+        # holds the same facts (transformers warns and falls back in the same way).
+        hf_config = model_config.hf_config
+        vision = hf_config.vision_config
+        defaults = {"patch_size": vision.patch_size,
+                    "vision_feature_select_strategy": hf_config.vision_feature_select_strategy,
+                    "num_image_tokens": (vision.image_size // vision.patch_size) ** 2}
+        for name, value in defaults.items():
+            if hasattr(self.hf_processor, name) and getattr(self.hf_processor, name) is None:
+                setattr(self.hf_processor, name, value)
+
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         return super().process(self.choose_layouts(parsed))
 

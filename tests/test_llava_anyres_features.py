@@ -127,3 +127,18 @@ def test_unsupported_architecture_lists_every_family(tmp_path, ckpt):
     for arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                  "LlavaOnevisionForConditionalGeneration", "LlavaNextVideoForConditionalGeneration"):
         assert arch in str(err.value)
+
+
+def test_processor_config_without_patch_size_uses_the_model_config(ckpt, tmp_path):
+    """Processor configs saved before `patch_size` / `vision_feature_select_strategy` existed."""
+    name, path = ckpt
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    proc = json.loads((old / "processor_config.json").read_text())
+    for key in ("patch_size", "vision_feature_select_strategy", "num_image_tokens"):
+        proc.pop(key, None)
+    (old / "processor_config.json").write_text(json.dumps(proc))
+    image = make_image(14, 64, 40)
+    out = LLM(str(old), dtype="float32").generate({"prompt": P1, "multi_modal_data": {"image": image}}, GREEDY,
+                                                  use_tqdm=False)
+    assert ids(out) == [ref(path, P1, image)]
