@@ -91,10 +91,37 @@ def get_llm(path, device="cpu", **kwargs):
     return _cached_llm(str(path), device, tuple(sorted(kwargs.items())))
 
 
-def prefix_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
-    """Share of reference tokens generated before the first divergence (1.0 = all equal): the
-    bf16 agreement rate, where near-ties can flip under different (equally valid) rounding."""
-    agreed = 0
-    for g, r in zip(got, ref):
-        agreed += next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+def bf16_agreement(path, device, inputs, refs, max_tokens: int = 16) -> float:
+    """Greedy bf16 runs of mmkit and of transformers' own bf16 generate on the same inputs:
+    the share of reference tokens generated before the first divergence (1.0 = all equal).
+    bf16 near-ties can flip under different (equally valid) rounding, hence a rate."""
+    from mmkit import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="bfloat16", device=device)
+    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    ref = [hf_greedy(path, max_new_tokens=max_tokens, dtype=torch.bfloat16, ignore_eos=True, **r) for r in refs]
+    agreed = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+                 for g, r in zip(got, ref))
     return agreed / sum(len(r) for r in ref)
+
+
+_HF_REFS: dict = {}
+
+
+def assert_generate_matches_hf(llm, path, inputs, refs, max_tokens, cache_key=None):
+    """`llm.generate(inputs)` (greedy, exactly `max_tokens` each) gives transformers' ids for
+    each `refs[i]` (hf_greedy keyword arguments); HF runs are reused under `cache_key`."""
+    from mmkit import SamplingParams
+
+    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    expected = _HF_REFS.get(cache_key) if cache_key is not None else None
+    if expected is None:
+        expected = [hf_greedy(path, max_new_tokens=max_tokens, ignore_eos=True, **r) for r in refs]
+        if cache_key is not None:
+            _HF_REFS[cache_key] = expected
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.outputs[0].token_ids == ref, f"inputs[{i}]"
+    return outs

@@ -6,8 +6,8 @@ also with chunked prefill, forced preemption and the transformers-4.x hub layout
 import pytest
 import torch
 
-from conftest import DEVICES, hf_greedy, make_image, prefix_agreement
-from mmkit import LLM, SamplingParams
+from conftest import DEVICES, assert_generate_matches_hf, bf16_agreement, make_image
+from mmkit import LLM
 from tiny_anyres import build_tiny_anyres
 from tiny_llava import rewrite_hub_layout
 
@@ -83,19 +83,9 @@ def mixed_batch(tokenizer, name):
     return inputs, refs
 
 
-_REFS: dict = {}
-
-
-def check(llm, name, path, count=None):
+def check(llm, name, path):
     inputs, refs = mixed_batch(llm.get_tokenizer(), name)
-    inputs, refs = inputs[:count], refs[:count]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    key = str(path)
-    if key not in _REFS:
-        _REFS[key] = [hf_greedy(path, max_new_tokens=MAX_TOKENS, ignore_eos=True, **r) for r in refs]
-    for i, (out, ref) in enumerate(zip(outs, _REFS[key])):
-        assert out.outputs[0].token_ids == ref, f"inputs[{i}]"
+    assert_generate_matches_hf(llm, path, inputs, refs, MAX_TOKENS, cache_key=str(path))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,24 +107,17 @@ def test_hub_layout_resave_gives_the_same_ids(variant, tmp_path):
     hub = rewrite_hub_layout(path, tmp_path / "hub")
     llm = LLM(str(hub), dtype="float32")
     inputs, refs = mixed_batch(llm.get_tokenizer(), name)
-    outs = llm.generate(inputs[1:5], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    for out, r in zip(outs, refs[1:5]):
-        assert out.outputs[0].token_ids == hf_greedy(hub, max_new_tokens=MAX_TOKENS, ignore_eos=True, **r)
+    assert_generate_matches_hf(llm, hub, inputs[1:5], refs[1:5], MAX_TOKENS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_agrees_with_transformers_bf16(variant, device):
     """Whole sequences against transformers' own bf16 generate; agreement rate reported, >= 90%."""
     name, path = variant
-    llm = LLM(str(path), dtype="bfloat16", device=device)
     wide, pair = make_image(21, 100, 30), [make_image(22, 64, 64), make_image(23, 20, 60)]
     inputs = ["Write a haiku about the sea.", {"prompt": P1, "multi_modal_data": {"image": wide}},
               {"prompt": P2, "multi_modal_data": {"image": pair}}]
-    cases = [dict(prompt=inputs[0]), dict(prompt=P1, images=wide), dict(prompt=P2, images=hf_images(name, pair))]
-    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    ref = [hf_greedy(path, max_new_tokens=16, dtype=torch.bfloat16, ignore_eos=True, **c) for c in cases]
-    rate = prefix_agreement(got, ref)
+    refs = [dict(prompt=inputs[0]), dict(prompt=P1, images=wide), dict(prompt=P2, images=hf_images(name, pair))]
+    rate = bf16_agreement(path, device, inputs, refs)
     print(f"bf16 agreement {name} {device}: {rate:.1%}")
-    assert rate >= 0.9, (rate, got, ref)
+    assert rate >= 0.9

@@ -4,10 +4,8 @@ and the clear errors (too many images, count mismatches, video, unsupported arch
 
 import json
 import shutil
-import warnings
 
 import pytest
-import torch
 
 from conftest import hf_greedy, make_image, pil_to_tensor
 from mmkit import LLM, MultiModalData, SamplingParams
