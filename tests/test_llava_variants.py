@@ -12,7 +12,7 @@ from tiny_llava import build_tiny_llava, rewrite_hub_layout
 VARIANTS = {
     # bakLlava-like: Mistral decoder (sliding window larger than any test sequence), GQA,
     # two feature layers concatenated (as transformers does), CLS dropped.
-    "mistral-clip-layers": dict(text_type="mistral", num_kv_heads=2, sliding_window=256,
+    "mistral-clip-layers": dict(text_type="mistral", num_kv_heads=2, sliding_window=256, rope_theta=1e6,
                                 vision_feature_layer=[-2, -1], select_strategy="default"),
     # llava-interleave-qwen-like: Qwen2 decoder (q/k/v bias), SigLIP tower, every feature row, tied.
     "qwen2-siglip-full": dict(text_type="qwen2", num_kv_heads=2, vision_type="siglip",

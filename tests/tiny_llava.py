@@ -87,7 +87,7 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                      intermediate: int | None = None, vocab_size: int = 384, tokenizer=None,
                      text_type: str = "llama", vision_type: str = "clip",
                      vision_feature_layer: int | list[int] = -2, select_strategy: str = "default",
-                     sliding_window: int | None = None) -> Path:
+                     sliding_window: int | None = None, rope_theta: float = 10000.0) -> Path:
     """Save a random LLaVA (CLIP/SigLIP tower + projector + Llama/Mistral/Qwen2 decoder) with
     its processor."""
     from transformers import (GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
@@ -106,7 +106,7 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                             max_position_embeddings=max_position_embeddings,
                             tie_word_embeddings=tie_word_embeddings, initializer_range=init_std,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, rope_theta=rope_theta)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                          vision_feature_layer=vision_feature_layer,
                          vision_feature_select_strategy=select_strategy,
