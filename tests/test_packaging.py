@@ -2,6 +2,7 @@
 from the source tree, `LLM()` and `mmkit caption` work from there."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,11 +18,12 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
-    # NOTE: the build goes to a scratch folder (setuptools' build/ and egg-info stay out of the tree).
+    # NOTE: built from a copy, so setuptools' build/ and egg-info never land in the checkout.
+    src = tmp_path_factory.mktemp("src") / "mmkit-src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                             ".pytest_cache", "training", "notebooks"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(ROOT)], check=True, cwd=build, timeout=600,
-                   env={**os.environ, "TMPDIR": str(build)})
+                    "-w", str(out), str(src)], check=True, cwd=out, timeout=600)
     wheels = list(out.glob("mmkit-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
