@@ -140,3 +140,25 @@ def test_processor_config_without_patch_size_uses_the_model_config(ckpt, tmp_pat
     out = LLM(str(old), dtype="float32").generate({"prompt": P1, "multi_modal_data": {"image": image}}, GREEDY,
                                                   use_tqdm=False)
     assert ids(out) == [ref(path, P1, image)]
+
+
+def test_image_embeds_input_equals_the_image(ckpt):
+    """IMAGE_EMBEDS of an anyres image (its own token count) skip the tower, same ids."""
+    import torch
+
+    name, path = ckpt
+    llm = LLM(str(path), dtype="float32")
+    image = make_image(15, 90, 40)
+    processor = llm.llm_engine.input_processor
+    parsed_item = processor.process(_one_image_prompt(image)).images[0]
+    with torch.no_grad():
+        embeds = llm.llm_engine.model_runner.model.embed_multimodal([processor.mm_item_inputs(parsed_item)])[0]
+    via_embeds = llm.generate({"prompt": P1, "multi_modal_data": MultiModalData(
+        type=MultiModalData.Type.IMAGE_EMBEDS, data=embeds[None])}, GREEDY, use_tqdm=False)
+    assert ids(via_embeds) == [ref(path, P1, image)]
+
+
+def _one_image_prompt(image):
+    from mmkit.inputs import parse_prompt
+
+    return parse_prompt(0, {"prompt": P1, "multi_modal_data": {"image": image}})
