@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoids 20-100x spin slowdowns
+# The bounds-checking build of the C kernels: a bad block id or slot raises IndexError
+# instead of reading or writing outside the KV cache (mmkit/layers/cpu_kernels.py).
+os.environ.setdefault("MMKIT_KERNEL_CHECKS", "1")
 
 import sys
 from functools import lru_cache
