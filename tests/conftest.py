@@ -21,7 +21,7 @@ from PIL import Image
 torch.set_num_threads(int(os.environ.get("MMKIT_TEST_THREADS", "2")))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_llava import build_tiny_llava, rewrite_hub_layout  # noqa: E402
+from mmkit.testing import build_tiny_llava, rewrite_hub_layout  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA GPU"))]
