@@ -102,3 +102,42 @@ def test_nothing_below_the_engine_imports_it(folder):
     offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if n == "mmkit.engine" or n.startswith("mmkit.engine."))
                  for f in files}
     assert {f: n for f, n in offenders.items() if n} == {}
+
+
+class _ForceTokenHook:
+    """A stand-in for a grammar matcher: allows one token per sequence, records the calls."""
+
+    def __init__(self, token_id):
+        self.token_id, self.new, self.sampled = token_id, [], []
+
+    def on_new_seq(self, state):
+        state.sampler_state["force"] = list(state.token_ids[state.num_prompt_tokens:])  # replayed outputs
+        self.new.append((state.sample_index, len(state.sampler_state["force"])))
+
+    def apply(self, logits, states):
+        assert logits.shape[0] == len(states)
+        mask = logits.new_full(logits.shape, float("-inf"))
+        mask[:, self.token_id] = 0
+        logits += mask
+
+    def on_sampled(self, state, token_id):
+        state.sampler_state["force"].append(token_id)
+        self.sampled.append(token_id)
+
+
+def test_sampler_hook_sees_every_sequence_and_masks_its_logits(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), dtype="float32", seed=0)
+    runner = llm.llm_engine.model_runner
+    hook = _ForceTokenHook(token_id=42)
+    runner.sampler_hooks.append(hook)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    out = llm.generate("Tell me a story", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [[42] * 4, [42] * 4]
+    # Sample 0 arrives before its first token; the fork arrives with it (and replays it).
+    assert sorted(hook.new) == [(0, 0), (1, 1)]
+    assert hook.sampled == [42] * 7  # 4 kept by sample 0, 3 more by the fork
+    # The runner drops finished sequences' states when the next step tells it (vLLM's way).
+    old = set(runner.states)
+    runner.sampler_hooks.clear()
+    llm.generate("Next", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert old and not old & set(runner.states)

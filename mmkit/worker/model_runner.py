@@ -23,7 +23,7 @@ from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, pla
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
-from mmkit.worker.seq_state import CachedSeqState, Chunk
+from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class ModelRunner:
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
         self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
+        self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -90,7 +91,7 @@ class ModelRunner:
         self._merge_multimodal(order, embeds)
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
-        sampled, rows, row_counts, last_rows = [], [], [], []
+        sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
         row = 0
         prompt_lp: dict[int, tuple[int, torch.Tensor]] = {}
         for c in order:
@@ -107,14 +108,20 @@ class ModelRunner:
             row_counts.append(copies)
             last_rows.extend([row - 1] * copies)
             rows.extend(self._sampling_rows(state))
+            row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        for hook in self.sampler_hooks:
+            hook.apply(logits, row_states)
         out = self.sampler(logits, rows)
         row = 0
         for state, count in zip(sampled, row_counts):
-            state.token_ids.append(out.token_ids[row])  # the runner's own copy of the tokens
+            token = out.token_ids[row]
+            state.token_ids.append(token)  # the runner's own copy of the tokens
             state.pending_forks = []
+            for hook in self.sampler_hooks:
+                hook.on_sampled(state, token)
             row += count
         return ModelRunnerOutput([s.seq_id for s in sampled], out, row_counts, prompt_lp)
 
@@ -125,7 +132,7 @@ class ModelRunner:
         for d in sched.new_seqs:
             old = self.states.get(d.seq_id)
             generator = old.generator if old is not None else self._fork_generators.pop(d.seq_id, None)
-            self.states[d.seq_id] = CachedSeqState(
+            state = self.states[d.seq_id] = CachedSeqState(
                 seq_id=d.seq_id, request_id=d.request_id, sample_index=d.sample_index,
                 token_ids=list(d.token_ids), prompt_token_ids=d.token_ids[:d.num_prompt_tokens],
                 params=d.sampling_params, generator=generator or self._make_generator(d.seed),
@@ -133,6 +140,11 @@ class ModelRunner:
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
                 pending_forks=list(d.pending_forks))
+            if old is not None:  # a rebuild: per-sequence sampler objects carry over
+                state.sampler_state = old.sampler_state
+            else:
+                for hook in self.sampler_hooks:
+                    hook.on_new_seq(state)
         for c in sched.cached_seqs:
             state = self.states[c.seq_id]
             for index, block_id in c.replaced_blocks:
