@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICES, assert_generate_matches_hf, bf16_agreement, make_image
 from mmkit import LLM
 from tiny_anyres import build_tiny_anyres
-from tiny_llava import rewrite_hub_layout
+from mmkit.testing import rewrite_hub_layout
 
 VARIANTS = {
     # llava-v1.6-vicuna-like: Llama decoder, CLIP tower, CLS dropped.

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import DEVICES, assert_generate_matches_hf, bf16_agreement, hf_greedy, make_image
 from mmkit import LLM, SamplingParams
-from tiny_llava import build_tiny_llava, rewrite_hub_layout
+from mmkit.testing import build_tiny_llava, rewrite_hub_layout
 
 # id -> build_tiny_llava arguments. Each row changes several axes at once to keep the suite small.
 VARIANTS = {
