@@ -59,7 +59,7 @@ class TokensPrompt(TypedDict):
 
 PromptInputs = Union[str, TextPrompt, TokensPrompt]
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
 _MM_DICT_KEYS = {"image": MultiModalData.Type.IMAGE, "image_embeds": MultiModalData.Type.IMAGE_EMBEDS}
 
 
@@ -106,6 +106,8 @@ class ParsedPrompt:
     prompt_token_ids: list[int] | None
     images: list[ImageItem] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden]
+    videos: list[list[ImageItem]] = field(default_factory=list)  # frames of each video
+    mm_processor_kwargs: dict | None = None  # per-request processor options (checked by the processor)
 
     @property
     def num_images(self) -> int:
@@ -162,8 +164,20 @@ def parse_prompt(index: int, item: Any) -> ParsedPrompt:
     else:
         parsed.prompt_token_ids = _parse_token_ids(f"{where}.prompt_token_ids", item["prompt_token_ids"])
     mm = item.get("multi_modal_data")
+    if isinstance(mm, dict) and "video" in mm:
+        from mmkit.video_inputs import parse_videos
+
+        mm = dict(mm)
+        parsed.videos = parse_videos(f"{where}.multi_modal_data['video']", mm.pop("video"))
+        mm = mm or None
     if mm is not None:
         _attach_multi_modal(f"{where}.multi_modal_data", parsed, mm)
+    if item.get("mm_processor_kwargs") is not None:
+        kwargs = item["mm_processor_kwargs"]
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"{where}.mm_processor_kwargs: got {type(kwargs).__name__}; expected a dict like "
+                            "{'max_pixels': 200704}")
+        parsed.mm_processor_kwargs = dict(kwargs)
     return parsed
 
 
@@ -201,7 +215,8 @@ def multi_modal_from_dict(where: str, mm: dict) -> MultiModalData:
     """The `{"image": ...}` / `{"image_embeds": ...}` shorthand as a MultiModalData."""
     unknown = [k for k in mm if k not in _MM_DICT_KEYS]
     if unknown or len(mm) != 1:
-        raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)}")
+        raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)} "
+                         "(plus 'video' for models that take video)")
     key, data = next(iter(mm.items()))
     return MultiModalData(type=_MM_DICT_KEYS[key], data=data)
 

@@ -7,10 +7,18 @@ from typing import Any
 # architecture -> (module under mmkit.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
+# Families whose own module fixes the decoder and vision tower (no per-part check below).
+_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 # Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
 SUPPORTED_TEXT_MODELS = ("llama", "mistral")
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+
+
+_BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
@@ -19,14 +27,16 @@ def supported_architectures() -> list[str]:
 
 def resolve_architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs and getattr(hf_config, "model_type", None) == "llava":
-        archs = ["LlavaForConditionalGeneration"]
+    if not archs:
+        archs = [_BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))]
     arch = archs[0] if archs else None
     if arch not in _MODELS:
         raise ValueError(
             f"model: architecture {arch!r} is not supported; supported architectures: "
             f"{supported_architectures()}"
         )
+    if arch in _SELF_CONTAINED:
+        return arch
     text_type = getattr(hf_config.get_text_config(), "model_type", None)
     if text_type not in SUPPORTED_TEXT_MODELS:
         raise ValueError(

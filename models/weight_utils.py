@@ -43,19 +43,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: Path, normalize=normalize_key) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                yield normalize_key(key), f.get_tensor(key)
+                yield normalize(key), f.get_tensor(key)
 
 
-def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool) -> None:
-    """Copy checkpoint tensors into `model` (converting dtype); error on anything missing."""
+def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, normalize=normalize_key) -> None:
+    """Copy checkpoint tensors into `model` (converting dtype); error on anything missing.
+    `normalize` maps checkpoint names onto the model's (the family's key layouts)."""
     params = dict(model.state_dict(keep_vars=True))
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in iterate_weights(path):
+    for name, tensor in iterate_weights(path, normalize):
         target = params.get(name)
         if target is None:
             if not name.endswith(_IGNORED_SUFFIXES):

@@ -15,8 +15,13 @@ from mmkit.processors.base import ProcessedPrompt
 
 
 class LlavaInputProcessor:
-    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs: got {dict(mm_processor_kwargs)!r}; "
+                             f"{model_config.architecture} takes no processor options")
 
         self.model_config = model_config
         self.image_token_id = model_config.image_token_id
@@ -41,6 +46,12 @@ class LlavaInputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
+        if parsed.videos:
+            raise ValueError(f"{where}.multi_modal_data: got {len(parsed.videos)} video(s); "
+                             f"{self.model_config.architecture} takes images only")
+        if parsed.mm_processor_kwargs:
+            raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
+                             f"{self.model_config.architecture} takes no processor options")
         if parsed.prompt is not None:
             ids = list(self.tokenizer(parsed.prompt).input_ids)
             ids, ranges = self._expand(where, ids, allow_expanded=False)

@@ -116,7 +116,9 @@ class SequenceGroup:
         if self.image_hashes is None:
             from mmkit.hashing import embeds_content_hash, image_content_hash
 
-            if self.processed.image_embeds is not None:
+            if self.processed.mm_items:
+                self.image_hashes = [item.content_hash() for item in self.processed.mm_items]
+            elif self.processed.image_embeds is not None:
                 self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
             else:
                 self.image_hashes = [image_content_hash(item) for item in self.processed.images]

@@ -19,6 +19,7 @@ from mmkit.engine.sequence import SequenceGroup
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from mmkit.models.mrope import positions_for_range
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
@@ -68,6 +69,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
+        # M-RoPE models (Qwen2-VL) take positions as [3, num_tokens] rows.
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -126,10 +129,13 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        mrope_parts: list[torch.Tensor] = []  # [3, chunk_len] per chunk (M-RoPE models)
         for s in order:
             seq = s.seq
             table = seq.block_table
             start, end = s.start, s.end
+            if self.uses_mrope:
+                mrope_parts.append(_mrope_rows(seq, start, end))
             if end - start == 1:
                 ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -146,6 +152,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills)
         if decode_tables:
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
+        if self.uses_mrope:
+            rows = torch.cat(mrope_parts, dim=1)  # [3, num_tokens]
+            pos = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
+            return _to_device(ids, dev), pos, meta.slot_mapping, meta
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ images
@@ -196,8 +206,9 @@ class ModelRunner:
                 g.image_embeds = g.processed.image_embeds.to(self.device, self.dtype).flatten(0, 1)
                 self._check_count(g)
                 continue
-            keys = g.get_image_hashes() if cache.enabled else [f"{g.request_id}/{i}" for i in range(len(g.processed.images))]
-            for key, item in zip(keys, g.processed.images):
+            items = g.processed.mm_items or g.processed.images
+            keys = g.get_image_hashes() if cache.enabled else [f"{g.request_id}/{i}" for i in range(len(items))]
+            for key, item in zip(keys, items):
                 if cache.get(key) is not None or key in todo:
                     cache.num_hits += 1
                 else:
@@ -213,6 +224,8 @@ class ModelRunner:
     def _encode(self, todo: dict) -> dict[str, torch.Tensor]:
         if not todo:
             return {}
+        if hasattr(self.model, "embed_multimodal"):
+            return self._encode_variable(todo)
         pixel_values = []
         for g, item in todo.values():
             try:
@@ -222,6 +235,26 @@ class ModelRunner:
         batch = torch.cat(pixel_values).to(self.device, self.dtype)
         features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]
         self.num_vision_calls += batch.shape[0]
+        fresh = {}
+        for key, feats in zip(todo, features):
+            fresh[key] = feats
+            self.encoder_cache.put(key, feats)
+        return fresh
+
+    def _encode_variable(self, todo: dict) -> dict[str, torch.Tensor]:
+        """Items with their own sizes (Qwen2-VL images and videos): the HF processor per item,
+        then one vision-tower call for all of them; one [num_tokens_i, hidden] tensor each."""
+        pixel_values, grids = [], []
+        for g, item in todo.values():
+            try:
+                pixels, grid = self.input_processor.process_item(item)
+            except Exception as exc:  # noqa: BLE001 - attributed to the one request
+                raise RequestError([g.request_id], f"request {g.request_id!r}: {item.modality} processing "
+                                                   f"failed: {exc}") from exc
+            pixel_values.append(pixels.to(self.device))
+            grids.append(grid)
+        features = self.model.embed_multimodal(pixel_values, grids)
+        self.num_vision_calls += len(features)
         fresh = {}
         for key, feats in zip(todo, features):
             fresh[key] = feats
@@ -254,6 +287,16 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def _mrope_rows(seq, start: int, end: int) -> torch.Tensor:
+    """[3, end - start] M-RoPE positions of token indices [start, end) of `seq`: the prompt's
+    precomputed rows, then index + delta for generated tokens. Derived from token indices
+    only, so chunked prefill, recompute after preemption, prefix-cache hits that start
+    mid-prompt and forked samples (n > 1) all get the positions of a one-shot prefill."""
+    processed = seq.group.processed
+    return positions_for_range(processed.mrope_positions, processed.mrope_position_delta,
+                               seq.num_prompt_tokens, start, end)
 
 
 def _overlaps_images(s: ScheduledSeq) -> bool:

@@ -1,0 +1,100 @@
+"""Qwen2-VL and Qwen2.5-VL: transformers' own vision tower (patch embed, 2-D rotary, blocks,
+Qwen2.5's window attention, the 2x2 patch merger) + mmkit's paged Qwen2 decoder with M-RoPE.
+
+The vision towers are transformers' modules, run as-is (no KV cache there; the tests check
+them against the reference model); the decoder is mmkit's, on the paged cache. Checkpoints load
+in the hub's layout (`visual.*`, `model.layers.*`) and the one transformers 5 saves
+(`model.visual.*`, `model.language_model.*`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mmkit.layers.attention import AttentionMetadata
+from mmkit.models.llama import Linear, pack_linears
+from mmkit.models.qwen2 import Qwen2Model
+from mmkit.models.weight_utils import load_weights
+
+
+def normalize_qwen2_vl_key(key: str) -> str:
+    """hub: `visual.X`, `model.layers.X`, `lm_head.weight`; transformers 5: `model.visual.X`,
+    `model.language_model.X`, `lm_head.weight` -> mmkit's `visual.*`, `language_model.*`."""
+    if key.startswith("model.visual.") or key.startswith("model.language_model."):
+        return key[len("model."):]
+    if key.startswith("model."):
+        return "language_model." + key[len("model."):]
+    return key
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Qwen2-VL; positions are M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
+
+    uses_mrope = True
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = self._vision_class()._from_config(config.vision_config)
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+        text = config.text_config
+        # NOTE: M-RoPE positions never exceed the token index except for Qwen2.5-VL video
+        # temporal rows (t * tokens_per_second * seconds per grid); the table keeps headroom.
+        self.language_model = Qwen2Model(text, 2 * max_positions)
+        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
+                                        or getattr(text, "tie_word_embeddings", False))
+
+    @staticmethod
+    def _vision_class():
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+
+    # ------------------------------------------------------------------ loading
+    def load_checkpoint(self, path: Path) -> None:
+        load_weights(self, path, self.tie_word_embeddings, normalize=normalize_qwen2_vl_key)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+        self.language_model.fuse_weights()
+
+    def prepare_for_inference(self) -> int:
+        return pack_linears(self.language_model) + pack_linears(self.lm_head)
+
+    # ------------------------------------------------------------------ vision
+    def embed_multimodal(self, pixel_values: list[torch.Tensor], grid_thw: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Items (images and videos alike) -> one [num_tokens_i, text_hidden] tensor per item.
+
+        pixel_values[i]: [t*h*w patches, C*temporal_patch*P*P]; grid_thw[i]: [1, 3] (t, h, w)."""
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        grid = torch.cat(grid_thw).to(pixel_values[0].device)
+        out = self.visual(torch.cat(pixel_values).to(dtype), grid_thw=grid)
+        merged = out.pooler_output  # [sum of tokens, text_hidden] after the 2x2 merger
+        sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
+        return list(torch.split(merged, sizes))
+
+    # ------------------------------------------------------------------ text
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        # positions: [3, num_tokens] (temporal, height, width rows)
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same decoder; the tower adds window attention (full attention in
+    `fullatt_block_indexes`), RMSNorm and a gated MLP, all in transformers' module."""
+
+    @staticmethod
+    def _vision_class():
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel
