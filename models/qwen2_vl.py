@@ -47,6 +47,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
+        # float32 buffers of the tower (rotary inv_freq), kept across the engine's dtype cast.
+        self._fp32_buffers = {id(m): {n: b.detach().clone() for n, b in m.named_buffers(recurse=False)
+                                      if b.dtype == torch.float32} for m in self.visual.modules()}
 
     @staticmethod
     def _vision_class():
@@ -62,6 +65,14 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.language_model.fuse_weights()
 
     def prepare_for_inference(self) -> int:
+        """After the final `.to(dtype, device)`: the vision tower's rotary frequencies back to
+        float32 (transformers keeps them float32 in a bf16 model; rounded to bf16 they give
+        other angles), then pre-pack the bf16 CPU matmul weights."""
+        for module in self.visual.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                fp32 = self._fp32_buffers.get(id(module), {}).get(name)
+                if fp32 is not None and buf.dtype != torch.float32:
+                    setattr(module, name, fp32.to(buf.device))
         return pack_linears(self.language_model) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ vision

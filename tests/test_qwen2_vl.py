@@ -156,3 +156,62 @@ def test_one_frame_video_and_tensor_frames(qwen_ckpt):
     assert outs[0].outputs[0].token_ids == hf_qwen_greedy(qwen_ckpt, P_VID, videos=one, max_new_tokens=8)
     ref = hf_qwen_greedy(qwen_ckpt, P_VID, videos=FRAMES, max_new_tokens=8)
     assert outs[1].outputs[0].token_ids == ref and outs[2].outputs[0].token_ids == ref
+
+
+def _write_lossless_video(path, frames):
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=4)
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "bgr0"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.array(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def test_chat_video_url_and_frames(qwen_ckpt, tmp_path, monkeypatch):
+    """video_url with a file (PyAV) or a list of frames, rendered by the checkpoint's template."""
+    pytest.importorskip("av")
+    llm = LLM(str(qwen_ckpt), dtype="float32")
+    video_file = tmp_path / "clip.mkv"
+    _write_lossless_video(video_file, FRAMES)
+    ref = llm.generate({"prompt": P_VID, "multi_modal_data": {"video": FRAMES}}, greedy(8), use_tqdm=False)
+    for url in (str(video_file), f"file://{video_file}", FRAMES):
+        msg = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                            {"type": "text", "text": "Describe this video."}]}]
+        out = llm.chat(msg, greedy(8), use_tqdm=False)
+        assert out[0].prompt == P_VID
+        assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # as if PyAV were not installed
+    msg = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(video_file)}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[0\]\.content\[0\]\.video_url: .*needs PyAV.*pip install av"):
+        llm.chat(msg, greedy(4), use_tqdm=False)
+
+
+def test_mrope_rotary_rows_and_kernel(qwen_ckpt):
+    """Each rotary dimension reads its mrope_section row, as transformers' Qwen2VLRotaryEmbedding;
+    the bf16 CPU kernel and the torch ops rotate alike; equal rows == 1-D positions."""
+    from transformers import AutoConfig
+
+    from mmkit.layers.rotary import RotaryEmbedding
+
+    text = AutoConfig.from_pretrained(str(qwen_ckpt)).text_config
+    rotary = RotaryEmbedding(text, 256)
+    model, _ = hf_qwen(str(qwen_ckpt))
+    positions = torch.randint(0, 200, (3, 37))
+    hf_cos, hf_sin = model.model.language_model.rotary_emb(torch.zeros(1), positions[:, None])
+    rope = rotary.for_positions(positions, torch.float32)
+    cos, signed_sin = rope.rotary.cos_sin(rope.positions, torch.float32)
+    half = cos.shape[-1] // 2
+    assert torch.equal(cos[:, 0], hf_cos[0]) and torch.equal(signed_sin[:, 0, half:], hf_sin[0, :, half:])
+    x = torch.randn(37, 6, cos.shape[-1]).bfloat16()
+    by_kernel = rotary.for_positions(positions, torch.bfloat16).rotate(x.clone(), 4)
+    torch_rope = rotary.for_positions(positions, torch.bfloat16)
+    torch_rope.use_kernel = False
+    assert torch.equal(by_kernel, torch_rope.rotate(x.clone(), 4))
+    same = positions[:1].expand(3, -1)
+    assert torch.equal(rotary.for_positions(same, torch.float32).rotate(x.float(), 4),
+                       rotary.for_positions(same[0], torch.float32).rotate(x.float(), 4))
