@@ -27,9 +27,8 @@ def is_conversation_list(messages: Any) -> bool:
 
 
 def parse_conversation(index: int, messages: Any, videos: list | None = None) -> tuple[Conversation, list[Image.Image]]:
-    """Validate one conversation; return it in the HF template's form and its images (videos,
-    when any, are appended to `videos`)."""
-    videos = [] if videos is None else videos
+    """Validate one conversation; return it in the HF template's form and its images. Video
+    parts are accepted only when `videos` is a list (a video model); they are appended to it."""
     where = f"messages[{index}]"
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"{where}: got {type(messages).__name__}; expected a non-empty list of messages")
@@ -55,7 +54,7 @@ def parse_conversation(index: int, messages: Any, videos: list | None = None) ->
     return conversation, images
 
 
-def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list) -> dict[str, Any]:
+def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list | None) -> dict[str, Any]:
     if not isinstance(part, dict) or "type" not in part:
         raise ValueError(f"{where}: got {part!r:.80}; expected a dict with a 'type'")
     kind = part["type"]
@@ -77,7 +76,7 @@ def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list) 
             raise TypeError(f"{where}.image: got {type(img).__name__}; expected a PIL image")
         images.append(img)
         return {"type": "image"}
-    if kind in ("video_url", "video"):
+    if kind in ("video_url", "video") and videos is not None:
         from mmkit.video_io import load_video
 
         spec = part.get(kind)
@@ -87,7 +86,9 @@ def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list) 
         else:
             videos.append(load_video(source, where=f"{where}.{kind}"))
         return {"type": "video"}
-    raise ValueError(f"{where}.type: got {kind!r}; expected 'text', 'image_url', 'image', 'video_url' or 'video'")
+    expected = "'text', 'image_url', 'image', 'video_url' or 'video'" if videos is not None \
+        else "'text', 'image_url' or 'image' (this model takes no video)"
+    raise ValueError(f"{where}.type: got {kind!r}; expected {expected}")
 
 
 def render(processor, conversation: Conversation, chat_template: str | None, add_generation_prompt: bool) -> str:
@@ -103,12 +104,12 @@ def render(processor, conversation: Conversation, chat_template: str | None, add
 
 
 def conversations_to_inputs(processor, messages: Any, chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> list[dict[str, Any]]:
+                            add_generation_prompt: bool = True, allow_video: bool = False) -> list[dict[str, Any]]:
     """One conversation or a list of them -> `generate` inputs (prompt + its images)."""
     conversations: Sequence[Any] = messages if is_conversation_list(messages) else [messages]
     inputs = []
     for i, conv in enumerate(conversations):
-        videos: list = []
+        videos: list | None = [] if allow_video else None
         parsed, images = parse_conversation(i, conv, videos)
         prompt = render(processor, parsed, chat_template, add_generation_prompt)
         bos = getattr(getattr(processor, "tokenizer", processor), "bos_token", None)

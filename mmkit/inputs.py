@@ -106,7 +106,9 @@ class ParsedPrompt:
     prompt_token_ids: list[int] | None
     images: list[ImageItem] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden]
-    videos: list[list[ImageItem]] = field(default_factory=list)  # frames of each video
+    # The raw `multi_modal_data["video"]` value: parsed by processors of video models
+    # (mmkit/video_inputs.py), refused by the others.
+    video_data: Any = None
     mm_processor_kwargs: dict | None = None  # per-request processor options (checked by the processor)
 
     @property
@@ -165,10 +167,8 @@ def parse_prompt(index: int, item: Any) -> ParsedPrompt:
         parsed.prompt_token_ids = _parse_token_ids(f"{where}.prompt_token_ids", item["prompt_token_ids"])
     mm = item.get("multi_modal_data")
     if isinstance(mm, dict) and "video" in mm:
-        from mmkit.video_inputs import parse_videos
-
         mm = dict(mm)
-        parsed.videos = parse_videos(f"{where}.multi_modal_data['video']", mm.pop("video"))
+        parsed.video_data = mm.pop("video")
         mm = mm or None
     if mm is not None:
         _attach_multi_modal(f"{where}.multi_modal_data", parsed, mm)

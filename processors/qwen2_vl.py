@@ -20,6 +20,7 @@ import torch
 from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
+from mmkit.video_inputs import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels", "fps")
@@ -103,7 +104,9 @@ class Qwen2VLInputProcessor:
                              f"{self.model_config.architecture}; pass images")
         kwargs = {**self.default_kwargs,
                   **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
-        given = {"image": list(parsed.images), "video": list(parsed.videos)}
+        videos = [] if parsed.video_data is None else parse_videos(f"{where}.multi_modal_data['video']",
+                                                                    parsed.video_data)
+        given = {"image": list(parsed.images), "video": videos}
         for modality, items in given.items():
             if len(items) > self.max_items[modality]:
                 raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
