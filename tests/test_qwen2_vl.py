@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_image, pil_to_tensor
 from qwen_ref import P_2IMG, P_IMG, P_IMG_VID, P_VID, hf_inputs, hf_qwen, hf_qwen_greedy
-from tiny_qwen2_vl import build_tiny_qwen2_vl
+from tiny_qwen2_vl import build_tiny_qwen2_vl, rewrite_qwen_hub_layout
 from mmkit import LLM, SamplingParams
 
 N = 32  # new tokens per request
@@ -215,3 +215,16 @@ def test_mrope_rotary_rows_and_kernel(qwen_ckpt):
     same = positions[:1].expand(3, -1)
     assert torch.equal(rotary.for_positions(same, torch.float32).rotate(x.float(), 4),
                        rotary.for_positions(same[0], torch.float32).rotate(x.float(), 4))
+
+
+def test_hub_layout_and_registry(qwen_ckpt, tmp_path):
+    """The hub's key layout (visual.*, model.layers.*, sharded) loads and gives the same ids;
+    the architecture is listed among the supported ones."""
+    from mmkit.models.registry import supported_architectures
+
+    hub = rewrite_qwen_hub_layout(qwen_ckpt, tmp_path / "hub")
+    inputs = {"prompt": P_IMG, "multi_modal_data": {"image": IMG1}}
+    a = LLM(str(qwen_ckpt), dtype="float32").generate(inputs, greedy(8), use_tqdm=False)
+    b = LLM(str(hub), dtype="float32").generate(inputs, greedy(8), use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"} <= set(supported_architectures())

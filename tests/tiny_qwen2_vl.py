@@ -112,3 +112,36 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
                          chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out)
     return out
+
+
+def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
+    """The same weights in the layout of the Qwen2-VL repos on the hub (`visual.*`, `model.layers.*`,
+    `model.embed_tokens.*`, `lm_head.weight`), sharded with an index."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    renamed = {}
+    for key, tensor in state.items():
+        if key.startswith("model.visual."):
+            key = key[len("model."):]
+        elif key.startswith("model.language_model."):
+            key = "model." + key[len("model.language_model."):]
+        renamed[key] = tensor.contiguous()
+    keys = sorted(renamed)
+    weight_map = {}
+    for i in range(num_shards):
+        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({k: renamed[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys[i::num_shards]})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
