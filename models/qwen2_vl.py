@@ -85,7 +85,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         out = self.visual(torch.cat(pixel_values).to(dtype), grid_thw=grid)
         merged = out.pooler_output  # [sum of tokens, text_hidden] after the 2x2 merger
         sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
-        return list(torch.split(merged, sizes))
+        # clone: a cached item must not keep the whole batch's tensor alive
+        return [part.clone() for part in torch.split(merged, sizes)]
 
     # ------------------------------------------------------------------ text
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

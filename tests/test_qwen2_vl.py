@@ -67,6 +67,8 @@ def test_batch_matches_transformers(qwen_ckpt):
     for (name, _, _), out, ref in zip(cases, outs, refs):
         assert out.outputs[0].token_ids == ref, name
     assert outs[-1].outputs[0].token_ids == refs[1]
+    expanded = {"prompt_token_ids": outs[1].prompt_token_ids, "multi_modal_data": {"image": IMG1}}
+    assert llm.generate(expanded, greedy(), use_tqdm=False)[0].outputs[0].token_ids == refs[1]
     # The engine's paths: chunked prefill splitting image runs, preemption by recompute.
     for kwargs in (dict(max_num_batched_tokens=7), dict(num_kv_blocks=16, block_size=8)):
         small = LLM(str(qwen_ckpt), dtype="float32", **kwargs)
