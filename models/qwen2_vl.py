@@ -10,6 +10,7 @@ in the hub's layout (`visual.*`, `model.layers.*`) and the one transformers 5 sa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -31,8 +32,10 @@ def normalize_qwen2_vl_key(key: str) -> str:
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL; positions are M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
+    """Qwen2-VL (`SupportsMultiModal`, `SupportsMRoPE` of models/interfaces.py); positions are
+    M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
 
+    supports_multimodal = True
     uses_mrope = True
 
     def __init__(self, config, max_positions: int) -> None:
@@ -67,7 +70,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: the vision tower's rotary frequencies back to
         float32 (transformers keeps them float32 in a bf16 model; rounded to bf16 they give
-        other angles), then pre-pack the bf16 CPU matmul weights."""
+        other angles), the decoder's rotary table too, then pre-pack the bf16 CPU matmul weights."""
+        self.language_model.rotary.float()
         for module in self.visual.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
                 fp32 = self._fp32_buffers.get(id(module), {}).get(name)
@@ -75,14 +79,30 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                     setattr(module, name, fp32.to(buf.device))
         return pack_linears(self.language_model) + pack_linears(self.lm_head)
 
-    # ------------------------------------------------------------------ vision
-    def embed_multimodal(self, pixel_values: list[torch.Tensor], grid_thw: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Items (images and videos alike) -> one [num_tokens_i, text_hidden] tensor per item.
+    # ------------------------------------------------------------------ multimodal interface
+    @classmethod
+    def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
+                                   image_processor: Any = None) -> int:
+        """Tokens of one image of `image_size` (width, height): its dynamic-resolution patch grid
+        (the image processor's smart_resize between its min/max_pixels) merged 2x2."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-        pixel_values[i]: [t*h*w patches, C*temporal_patch*P*P]; grid_thw[i]: [1, 3] (t, h, w)."""
+        merge = hf_config.vision_config.spatial_merge_size
+        patch = getattr(image_processor, "patch_size", None) or hf_config.vision_config.patch_size
+        size = dict(getattr(image_processor, "size", None) or {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
+        h, w = smart_resize(image_size[1], image_size[0], factor=patch * merge,
+                            min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        return (h // patch) * (w // patch) // merge ** 2
+
+    def embed_multimodal(self, items: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Items (images and videos alike) -> one [num_tokens_i, text_hidden] tensor per item,
+        all through one vision-tower call (attention stays within each item).
+
+        items[i]: {"pixel_values": [t*h*w patches, C*temporal_patch*P*P], "grid_thw": [1, 3]}."""
         dtype = self.visual.patch_embed.proj.weight.dtype
-        grid = torch.cat(grid_thw).to(pixel_values[0].device)
-        out = self.visual(torch.cat(pixel_values).to(dtype), grid_thw=grid)
+        grid = torch.cat([item["grid_thw"] for item in items])
+        pixels = torch.cat([item["pixel_values"] for item in items]).to(dtype)
+        out = self.visual(pixels, grid_thw=grid)
         merged = out.pooler_output  # [sum of tokens, text_hidden] after the 2x2 merger
         sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
         # clone: a cached item must not keep the whole batch's tensor alive

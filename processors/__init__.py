@@ -1,16 +1,25 @@
 """Input pipeline (installed as `mmkit.processors`): HF processor -> token ids, placeholder
-ranges and, at scheduling time, pixel values."""
+ranges and, at scheduling time, each item's model inputs."""
 
-from mmkit.processors.base import ProcessedPrompt
+from __future__ import annotations
+
+import importlib
+
+from mmkit.processors.base import InputProcessor, ProcessedPrompt
 from mmkit.processors.llava import LlavaInputProcessor
 
-__all__ = ["ProcessedPrompt", "LlavaInputProcessor", "get_input_processor"]
+__all__ = ["InputProcessor", "ProcessedPrompt", "LlavaInputProcessor", "get_input_processor"]
+
+# HF `architectures[0]` -> (module, class) of its input processor; one module per family.
+_PROCESSORS: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("mmkit.processors.llava", "LlavaInputProcessor"),
+    "Qwen2VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+}
 
 
-def get_input_processor(model_config, tokenizer_path: str, limit_mm_per_prompt, mm_processor_kwargs=None):
-    """The family's input processor (one module per model family)."""
-    if model_config.architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
-        from mmkit.processors.qwen2_vl import Qwen2VLInputProcessor
-
-        return Qwen2VLInputProcessor(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
-    return LlavaInputProcessor(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
+def get_input_processor(model_config, tokenizer_path: str, limit_mm_per_prompt,
+                        mm_processor_kwargs=None) -> InputProcessor:
+    module_name, class_name = _PROCESSORS[model_config.architecture]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)

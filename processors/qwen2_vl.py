@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.video_inputs import parse_videos
@@ -124,8 +125,10 @@ class Qwen2VLInputProcessor:
         ids, ranges, ordered = self._expand(where, ids, vision, allow_expanded=parsed.prompt is None)
         positions, delta = mrope_positions(len(ids), [
             MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)])
+        # NOTE: `images` holds every item (images and videos) in placeholder order: the
+        # scheduler pairs item i with range i and hashes it with `VisionItem.content_hash`.
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
-                               placeholder_ranges=ranges, mm_items=ordered, mrope_positions=positions,
+                               placeholder_ranges=ranges, images=ordered, mrope_positions=positions,
                                mrope_position_delta=delta, mm_processor_kwargs=kwargs)
 
     def _merged_grid(self, item: VisionItem) -> tuple[int, int, int]:
@@ -185,7 +188,7 @@ class Qwen2VLInputProcessor:
                                  f"expected one per {modality}, each inside <|vision_start|>...<|vision_end|>"
                                  + (f", or exactly {n} (this {modality}'s token count)" if allow_expanded else ""))
             item = queue.pop(0)
-            ranges.append((len(out), item.num_tokens))
+            ranges.append(PlaceholderRange(len(out), item.num_tokens))
             ordered.append(item)
             out.extend([ids[i]] * item.num_tokens)
             i += run
@@ -202,8 +205,9 @@ class Qwen2VLInputProcessor:
         return f"{where}: the prompt has " + " and ".join(parts) + "; expected one placeholder per item"
 
     # ------------------------------------------------------------------ at scheduling time
-    def process_item(self, item: VisionItem) -> tuple[torch.Tensor, torch.Tensor]:
-        """One item -> (pixel_values [num_patches, C*T*P*P], grid_thw [1, 3]) via the HF processor."""
+    def mm_item_inputs(self, item: VisionItem) -> MultiModalKwargs:
+        """One item -> {"pixel_values": [num_patches, C*T*P*P], "grid_thw": [1, 3]} via the HF
+        image or video processor (the model's `embed_multimodal` input)."""
         size_kwargs = {}
         if "min_pixels" in item.processor_kwargs or "max_pixels" in item.processor_kwargs:
             proc = self.image_processor if item.modality == "image" else self.video_processor
@@ -221,7 +225,7 @@ class Qwen2VLInputProcessor:
         if tuple(grid[0].tolist()) != item.grid_thw:
             raise ValueError(f"{item.frames[0].where}: the processor produced a {tuple(grid[0].tolist())} patch grid "
                              f"where {item.grid_thw} was predicted; refusing to misalign the placeholders")
-        return pixels, grid
+        return {"pixel_values": pixels, "grid_thw": grid}
 
     def decode(self, token_ids: list[int], **kwargs: Any) -> str:
         return self.tokenizer.decode(token_ids, **kwargs)

@@ -54,6 +54,17 @@ def test_mrope_positions_match_transformers(qwen_ckpt):
         assert processed.prompt_token_ids == ref["input_ids"][0].tolist(), name
         assert torch.equal(processed.mrope_positions, positions[:, 0]), name
         assert processed.mrope_position_delta == int(delta), name
+    # The interface: a SupportsMultiModal + SupportsMRoPE model; its per-image placeholder count
+    # (dynamic resolution) is the processor's and the HF processor's.
+    from mmkit.models.interfaces import SupportsMultiModal, uses_mrope
+
+    mine = llm.llm_engine.model_runner.model
+    assert isinstance(mine, SupportsMultiModal) and uses_mrope(mine)
+    for img in (IMG1, IMG2, IMG3, make_image(7, 300, 20)):
+        ref = hf_inputs(qwen_ckpt, P_IMG, [img])
+        count = type(mine).get_num_placeholder_tokens(llm.llm_engine.config.model.hf_config, img.size,
+                                                      proc.image_processor)
+        assert count == int(ref["image_grid_thw"].prod()) // 4 == int((ref["input_ids"] == proc.token_ids["image"]).sum())
 
 
 def test_batch_matches_transformers(qwen_ckpt):

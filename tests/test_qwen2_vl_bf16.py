@@ -38,9 +38,8 @@ def test_bf16_vision_bit_identical_and_sequences_agree(ckpt):
         ref = model.model.get_image_features(ref_inputs["pixel_values"], ref_inputs["image_grid_thw"]).pooler_output
     proc = llm.llm_engine.input_processor
     processed = proc.process(parse_prompt(0, {"prompt": P_2IMG, "multi_modal_data": {"image": [IMG2, IMG3]}}))
-    pixels, grids = zip(*[proc.process_item(item) for item in processed.mm_items])
     with torch.inference_mode():
-        mine = llm.llm_engine.model_runner.model.embed_multimodal(list(pixels), list(grids))
+        mine = llm.llm_engine.model_runner.model.embed_multimodal([proc.mm_item_inputs(i) for i in processed.images])
     assert all(torch.equal(a, b) for a, b in zip(mine, ref))
     # Whole sequences.
     cases = _cases()
