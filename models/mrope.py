@@ -54,19 +54,3 @@ def mrope_positions(num_tokens: int, items: list[MRopeItem]) -> tuple[torch.Tens
     positions = torch.cat(rows, dim=1) if rows else torch.zeros(3, 0, dtype=torch.long)
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
     return positions.contiguous(), delta
-
-
-def positions_for_range(prompt_positions: torch.Tensor | None, delta: int, num_prompt_tokens: int,
-                        start: int, end: int) -> torch.Tensor:
-    """Positions [3, end - start] of token indices [start, end) of a sequence: the prompt's
-    precomputed rows, then index + delta for generated tokens (decode, or a recompute after
-    preemption that covers generated tokens too)."""
-    if prompt_positions is None:
-        return torch.arange(start, end).expand(3, -1)
-    parts = []
-    if start < num_prompt_tokens:
-        parts.append(prompt_positions[:, start:min(end, num_prompt_tokens)])
-    if end > num_prompt_tokens:
-        lo = max(start, num_prompt_tokens)
-        parts.append(torch.arange(lo + delta, end + delta).expand(3, -1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
