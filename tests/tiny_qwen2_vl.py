@@ -56,7 +56,9 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
                         hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2, vision_depth: int = 2,
                         vision_dim: int = 32, patch_size: int = 8, min_pixels: int = 16 * 16 * 4,
                         max_pixels: int = 16 * 16 * 16, tie_word_embeddings: bool = False,
-                        max_position_embeddings: int = 1024, init_std: float = 0.08) -> Path:
+                        max_position_embeddings: int = 1024, init_std: float = 0.08, intermediate: int | None = None,
+                        vision_heads: int = 4, vision_mlp_ratio: int = 2, mrope_section: list[int] | None = None,
+                        tokenizer=None) -> Path:
     """Save a random Qwen2-VL (`version="2"`) or Qwen2.5-VL (`"2.5"`) with its processor.
 
     Images are patchified at `patch_size` and merged 2x2, so one image token covers
@@ -66,13 +68,16 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_qwen_tokenizer(out)
+    if tokenizer is None:
+        tokenizer = build_qwen_tokenizer(out)
+    else:
+        tokenizer.save_pretrained(out)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     head_dim = hidden // num_heads
     # M-RoPE splits head_dim / 2 rotary frequencies into (temporal, height, width) sections.
     quarter = head_dim // 2
-    mrope_section = [quarter - 2 * (quarter * 3 // 8), quarter * 3 // 8, quarter * 3 // 8]
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+    mrope_section = mrope_section or [quarter - 2 * (quarter * 3 // 8), quarter * 3 // 8, quarter * 3 // 8]
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
                 num_hidden_layers=text_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                 max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
@@ -83,7 +88,8 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                   tie_word_embeddings=tie_word_embeddings)
     if version == "2":
-        vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=4, mlp_ratio=2,
+        vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden, num_heads=vision_heads,
+                      mlp_ratio=vision_mlp_ratio,
                       patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
                       initializer_range=init_std)
         config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
@@ -91,7 +97,7 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
                                                      tf.Qwen2VLVideoProcessor, tf.Qwen2VLProcessor)
     else:
         # Window attention over (window_size / patch_size)^2-patch windows, except fullatt blocks.
-        vision = dict(depth=vision_depth, hidden_size=vision_dim, out_hidden_size=hidden, num_heads=4,
+        vision = dict(depth=vision_depth, hidden_size=vision_dim, out_hidden_size=hidden, num_heads=vision_heads,
                       intermediate_size=vision_dim * 2, patch_size=patch_size, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=patch_size * 4,
                       fullatt_block_indexes=[vision_depth - 1], initializer_range=init_std)
