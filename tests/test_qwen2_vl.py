@@ -129,6 +129,22 @@ def test_mm_processor_kwargs_resolution(qwen_ckpt):
     assert outs2[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_fps_sets_qwen25_temporal_positions(qwen_ckpt):
+    """`fps` (the frame rate of the given frames) spaces Qwen2.5-VL's temporal rows by
+    tokens_per_second * temporal_patch / fps, as vLLM does; Qwen2-VL has no time scale."""
+    from mmkit.inputs import parse_prompt
+
+    llm = LLM(str(qwen_ckpt), dtype="float32", num_kv_blocks=8)
+    proc = llm.llm_engine.input_processor
+    video = {"prompt": P_VID, "multi_modal_data": {"video": FRAMES}}
+    rows = proc.process(parse_prompt(0, {**video, "mm_processor_kwargs": {"fps": 2}}))
+    (offset, length), = rows.placeholder_ranges
+    temporal = rows.mrope_positions[0, offset:offset + length].unique() - offset
+    tps = proc.tokens_per_second
+    assert temporal.tolist() == ([0, int(tps * 2 / 2)] if tps else [0, 1])
+    assert rows.images[0].content_hash() != proc.process(parse_prompt(0, video)).images[0].content_hash()
+
+
 def test_bad_inputs(qwen_ckpt):
     llm = LLM(str(qwen_ckpt), dtype="float32", limit_mm_per_prompt={"image": 2, "video": 1})
     ok = {"prompt": P_IMG, "multi_modal_data": {"image": IMG1}}
