@@ -125,11 +125,23 @@ class Qwen2VLInputProcessor:
         ids, ranges, ordered = self._expand(where, ids, vision, allow_expanded=parsed.prompt is None)
         positions, delta = mrope_positions(len(ids), [
             MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)])
+        self._check_positions(where, positions, delta, kwargs)
         # NOTE: `images` holds every item (images and videos) in placeholder order: the
         # scheduler pairs item i with range i and hashes it with `VisionItem.content_hash`.
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
                                placeholder_ranges=ranges, images=ordered, mrope_positions=positions,
                                mrope_position_delta=delta, mm_processor_kwargs=kwargs)
+
+    def _check_positions(self, where: str, positions: torch.Tensor, delta: int, kwargs: dict) -> None:
+        """M-RoPE positions index the decoder's rotary table (2 x max positions, see
+        models/qwen2_vl.py): only a tiny `fps` (wide temporal spacing) can run past it."""
+        mc = self.model_config
+        text = mc.hf_config.get_text_config()
+        limit = 2 * max(mc.max_model_len, getattr(text, "max_position_embeddings", 0) or 0)
+        highest = max(int(positions.max()) if positions.numel() else 0, mc.max_model_len - 1 + delta)
+        if highest >= limit:
+            raise ValueError(f"{where}: M-RoPE positions reach {highest} (mm_processor_kwargs={kwargs}); expected "
+                             f"below {limit}: use a larger fps or fewer frames")
 
     def _merged_grid(self, item: VisionItem) -> tuple[int, int, int]:
         t, h, w = item.grid_thw

@@ -143,6 +143,9 @@ def test_fps_sets_qwen25_temporal_positions(qwen_ckpt):
     tps = proc.tokens_per_second
     assert temporal.tolist() == ([0, int(tps * 2 / 2)] if tps else [0, 1])
     assert rows.images[0].content_hash() != proc.process(parse_prompt(0, video)).images[0].content_hash()
+    if tps:  # frames 1000 s apart: temporal positions past the rotary table -> a clear error
+        with pytest.raises(ValueError, match=r"inputs\[0\]: M-RoPE positions reach .*larger fps"):
+            proc.process(parse_prompt(0, {**video, "mm_processor_kwargs": {"fps": 0.001}}))
 
 
 def test_bad_inputs(qwen_ckpt):
