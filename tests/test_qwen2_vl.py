@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_image, pil_to_tensor
+from conftest import DEVICES, make_image, pil_to_tensor
 from qwen_ref import P_2IMG, P_IMG, P_IMG_VID, P_VID, hf_inputs, hf_qwen, hf_qwen_greedy
 from tiny_qwen2_vl import build_tiny_qwen2_vl, rewrite_qwen_hub_layout
 from mmkit import LLM, SamplingParams
@@ -67,9 +67,10 @@ def test_mrope_positions_match_transformers(qwen_ckpt):
         assert count == int(ref["image_grid_thw"].prod()) // 4 == int((ref["input_ids"] == proc.token_ids["image"]).sum())
 
 
-def test_batch_matches_transformers(qwen_ckpt):
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_matches_transformers(qwen_ckpt, device):
     """text, one image, two images of different sizes, a video, image+video; token ids; 32 tokens."""
-    llm = LLM(str(qwen_ckpt), dtype="float32")
+    llm = LLM(str(qwen_ckpt), dtype="float32", device=device)
     cases = _cases()
     refs = [hf_qwen_greedy(qwen_ckpt, **ref) for _, _, ref in cases]
     ids = llm.get_tokenizer()(P_IMG).input_ids  # one <|image_pad|> per image, expanded by mmkit
@@ -82,7 +83,7 @@ def test_batch_matches_transformers(qwen_ckpt):
     assert llm.generate(expanded, greedy(), use_tqdm=False)[0].outputs[0].token_ids == refs[1]
     # The engine's paths: chunked prefill splitting image runs, preemption by recompute.
     for kwargs in (dict(max_num_batched_tokens=7), dict(num_kv_blocks=16, block_size=8)):
-        small = LLM(str(qwen_ckpt), dtype="float32", **kwargs)
+        small = LLM(str(qwen_ckpt), dtype="float32", device=device, **kwargs)
         outs = small.generate(inputs[1:5], greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == refs[1:5], kwargs
         if "num_kv_blocks" in kwargs:
