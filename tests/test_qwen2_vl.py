@@ -165,6 +165,10 @@ def test_bad_inputs(qwen_ckpt):
          r"1 <\|image_pad\|> placeholder\(s\) for 2 image\(s\)"),
         ({"prompt": P_VID, "multi_modal_data": {"video": [FRAMES[0], make_image(5, 20, 20)]}}, ValueError,
          "frames of different sizes"),
+        ({"prompt": P_IMG, "multi_modal_data": {"image": make_image(6, 402, 2)}}, ValueError,
+         r"inputs\[1\]\.multi_modal_data\.image\[0\]: got a 402x2 image: absolute aspect ratio must be smaller than 200"),
+        ({"prompt": P_IMG, "multi_modal_data": {"image_embeds": torch.zeros(1, 4, 64)}}, ValueError,
+         "image embeddings are not supported"),
     ]
     for item, exc, match in bad:
         with pytest.raises(exc, match=match):
