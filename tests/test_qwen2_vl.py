@@ -265,3 +265,22 @@ def test_hub_layout_and_registry(qwen_ckpt, tmp_path):
     b = LLM(str(hub), dtype="float32").generate(inputs, greedy(8), use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
     assert {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"} <= set(supported_architectures())
+
+
+def test_prompt_logprobs_match_transformers_at_every_position(qwen_ckpt):
+    """Every prompt position (text, two images, their M-RoPE rows) against transformers' own
+    forward: the decoder computes the same distribution, not only the same argmax. Also under
+    chunked prefill that splits the image runs."""
+    model, _ = hf_qwen(str(qwen_ckpt))
+    inputs = hf_inputs(qwen_ckpt, P_2IMG, [IMG2, IMG3])
+    with torch.no_grad():
+        ref = model(**inputs).logits[0].log_softmax(-1)  # [L, vocab]
+    ids = inputs["input_ids"][0].tolist()
+    expected = torch.tensor([float(ref[p - 1, ids[p]]) for p in range(1, len(ids))])
+    for kwargs in ({}, {"max_num_batched_tokens": 5}):
+        llm = LLM(str(qwen_ckpt), dtype="float32", enable_prefix_caching=False, **kwargs)
+        out = llm.generate({"prompt": P_2IMG, "multi_modal_data": {"image": [IMG2, IMG3]}},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids
+        got = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (kwargs, (got - expected).abs().max())
