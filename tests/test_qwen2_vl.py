@@ -284,3 +284,18 @@ def test_prompt_logprobs_match_transformers_at_every_position(qwen_ckpt):
         assert out.prompt_token_ids == ids
         got = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
         assert torch.allclose(got, expected, atol=1e-4, rtol=0), (kwargs, (got - expected).abs().max())
+
+
+def test_llava_refuses_video_and_processor_options(tiny_ckpt):
+    """A family without video or processor options says so instead of ignoring them."""
+    from conftest import get_llm
+
+    llm = get_llm(tiny_ckpt)
+    prompt = "USER: <image>\nWhat is it? ASSISTANT:"
+    with pytest.raises(ValueError, match=r"inputs\[0\]\.multi_modal_data: got a 'video'.*takes images only"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": IMG1, "video": FRAMES}}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"inputs\[0\]\.mm_processor_kwargs: .*takes no processor options"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": IMG1},
+                      "mm_processor_kwargs": {"max_pixels": 100}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="mm_processor_kwargs: .*takes no processor options"):
+        LLM(str(tiny_ckpt), dtype="float32", mm_processor_kwargs={"max_pixels": 100})

@@ -122,7 +122,9 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
 
 def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
     """The same weights in the layout of the Qwen2-VL repos on the hub (`visual.*`, `model.layers.*`,
-    `model.embed_tokens.*`, `lm_head.weight`), sharded with an index."""
+    `model.embed_tokens.*`, `lm_head.weight`), sharded with an index, and the hub's config.json
+    form (transformers 4.4x: text fields at the top level, `rope_scaling: {"type": "mrope"}`,
+    `rope_theta`, a vision config without `model_type` and with `in_chans`)."""
     import json
     import shutil
 
@@ -150,4 +152,18 @@ def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 
         save_file({k: renamed[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in keys[i::num_shards]})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("model_type", "layer_types", "dtype"):
+        text.pop(key, None)
+    vision = config["vision_config"]
+    vision.pop("model_type", None)
+    vision.pop("rope_parameters", None)
+    vision["in_chans"] = vision.pop("in_channels", 3)
+    config.update(text)
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+                  torch_dtype="bfloat16", transformers_version="4.45.0")
+    config.pop("dtype", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
