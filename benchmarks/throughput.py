@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/throughput.py --dtype bfloat16 --workload mixed \
         [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json]
+        [--family qwen2_vl --num-layers 4 --vision-depth 4]   # Qwen2-VL-2B-shaped (qwen_family.py)
 
 The workload is seeded: prompts of 16-64 random text tokens after one image, output lengths
 forced (mmkit `ignore_eos`, transformers `min_new_tokens = max_new_tokens`). transformers runs
@@ -26,9 +27,13 @@ import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch)
 import torch  # noqa: E402
 
 
+# The prompts of the chosen family (`--family`): LLaVA's by default, qwen_family's for qwen2_vl.
+mmkit_inputs = common.mmkit_inputs
+
+
 def parity_gate(llm, hf, size: int, dtype: str, num: int, max_tokens: int) -> dict:
     reqs = common.make_workload("uniform", num, seed=12345, uniform_len=max_tokens)
-    outs = llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
+    outs = llm.generate(mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
     mm = [list(o.outputs[0].token_ids) for o in outs]
     ref = [hf.generate([r]).tolist()[0] for r in reqs]  # batch 1: no padding in the reference
     same_seqs = sum(a == b for a, b in zip(mm, ref))
@@ -43,7 +48,7 @@ def parity_gate(llm, hf, size: int, dtype: str, num: int, max_tokens: int) -> di
 
 
 def time_mmkit(llm, reqs, size: int) -> float:
-    inputs = common.mmkit_inputs(reqs, size)
+    inputs = mmkit_inputs(reqs, size)
     params = common.mmkit_params(reqs)
     start = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
@@ -67,10 +72,23 @@ def main() -> None:
     p.add_argument("--parity-requests", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
+    p.add_argument("--family", default="llava", choices=["llava", "qwen2_vl"],
+                   help="qwen2_vl: the Qwen2-VL-2B-shaped model of qwen_family.py")
+    p.add_argument("--vision-depth", type=int, default=4, help="qwen2_vl: vision blocks (the 2B has 32)")
     args = p.parse_args()
-    model_dir, size, llm = common.setup(args, args.model)
+    hf_runner = common.HFRunner
+    if args.family == "qwen2_vl":
+        import qwen_family
+
+        global mmkit_inputs
+        mmkit_inputs, hf_runner = qwen_family.mmkit_inputs, qwen_family.QwenHFRunner
+        common.set_threads(args.threads)
+        model_dir = args.model or qwen_family.build_bench_qwen2_vl(args.num_layers, args.vision_depth)
+        size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype)
+    else:
+        model_dir, size, llm = common.setup(args, args.model)
     result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "model": model_dir}
-    hf = None if args.skip_hf else common.HFRunner(model_dir, args.dtype)
+    hf = None if args.skip_hf else hf_runner(model_dir, args.dtype)
     if hf is not None:
         result["parity"] = parity_gate(llm, hf, size, args.dtype, args.parity_requests, args.parity_tokens)
         print(f"parity ({args.dtype}): {result['parity']}", flush=True)

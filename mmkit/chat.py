@@ -2,8 +2,10 @@
 
 A message's content is a string or a list of parts: `{"type": "text", "text": ...}`,
 `{"type": "image_url", "image_url": {"url": ...}}` (a `data:image/...;base64,` URI, a local
-path, a `file://` URL or http(s)) and `{"type": "image", "image": PIL.Image}`. Images are
-collected in order of appearance; the template places one image placeholder per image part.
+path, a `file://` URL or http(s)) and `{"type": "image", "image": PIL.Image}`; for video models also
+`{"type": "video_url", "video_url": {"url": "clip.mp4" | [frame, ...]}}` and `{"type": "video",
+"video": frames}`. Images and videos are collected in order of appearance; the template places
+one placeholder per part.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ def is_conversation_list(messages: Any) -> bool:
         isinstance(m, (list, tuple)) for m in messages)
 
 
-def parse_conversation(index: int, messages: Any) -> tuple[Conversation, list[Image.Image]]:
-    """Validate one conversation; return it in the HF template's form and its images."""
+def parse_conversation(index: int, messages: Any, videos: list | None = None) -> tuple[Conversation, list[Image.Image]]:
+    """Validate one conversation; return it in the HF template's form and its images. Video
+    parts are accepted only when `videos` is a list (a video model); they are appended to it."""
     where = f"messages[{index}]"
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"{where}: got {type(messages).__name__}; expected a non-empty list of messages")
@@ -46,12 +49,12 @@ def parse_conversation(index: int, messages: Any) -> tuple[Conversation, list[Im
             raise TypeError(f"{mwhere}.content: got {type(content).__name__}; expected a string or a list of parts")
         parts = []
         for p, part in enumerate(content):
-            parts.append(_parse_part(f"{mwhere}.content[{p}]", part, images))
+            parts.append(_parse_part(f"{mwhere}.content[{p}]", part, images, videos))
         conversation.append({"role": role, "content": parts})
     return conversation, images
 
 
-def _parse_part(where: str, part: Any, images: list[Image.Image]) -> dict[str, Any]:
+def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list | None) -> dict[str, Any]:
     if not isinstance(part, dict) or "type" not in part:
         raise ValueError(f"{where}: got {part!r:.80}; expected a dict with a 'type'")
     kind = part["type"]
@@ -73,7 +76,19 @@ def _parse_part(where: str, part: Any, images: list[Image.Image]) -> dict[str, A
             raise TypeError(f"{where}.image: got {type(img).__name__}; expected a PIL image")
         images.append(img)
         return {"type": "image"}
-    raise ValueError(f"{where}.type: got {kind!r}; expected 'text', 'image_url' or 'image'")
+    if kind in ("video_url", "video") and videos is not None:
+        from mmkit.video_io import load_video
+
+        spec = part.get(kind)
+        source = spec.get("url") if kind == "video_url" and isinstance(spec, dict) else spec
+        if kind == "video" and not isinstance(source, (str, list, tuple)):
+            videos.append(source)  # a (T, C, H, W) tensor, checked by the input parser
+        else:
+            videos.append(load_video(source, where=f"{where}.{kind}"))
+        return {"type": "video"}
+    expected = "'text', 'image_url', 'image', 'video_url' or 'video'" if videos is not None \
+        else "'text', 'image_url' or 'image' (this model takes no video)"
+    raise ValueError(f"{where}.type: got {kind!r}; expected {expected}")
 
 
 def render(processor, conversation: Conversation, chat_template: str | None, add_generation_prompt: bool) -> str:
@@ -89,18 +104,20 @@ def render(processor, conversation: Conversation, chat_template: str | None, add
 
 
 def conversations_to_inputs(processor, messages: Any, chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> list[dict[str, Any]]:
+                            add_generation_prompt: bool = True, allow_video: bool = False) -> list[dict[str, Any]]:
     """One conversation or a list of them -> `generate` inputs (prompt + its images)."""
     conversations: Sequence[Any] = messages if is_conversation_list(messages) else [messages]
     inputs = []
     for i, conv in enumerate(conversations):
-        parsed, images = parse_conversation(i, conv)
+        videos: list | None = [] if allow_video else None
+        parsed, images = parse_conversation(i, conv, videos)
         prompt = render(processor, parsed, chat_template, add_generation_prompt)
         bos = getattr(getattr(processor, "tokenizer", processor), "bos_token", None)
         if bos and prompt.startswith(bos):
             prompt = prompt[len(bos):]  # tokenization adds BOS itself; never twice
         item: dict[str, Any] = {"prompt": prompt}
-        if images:
-            item["multi_modal_data"] = {"image": images}
+        if images or videos:
+            item["multi_modal_data"] = {**({"image": images} if images else {}),
+                                        **({"video": videos} if videos else {})}
         inputs.append(item)
     return inputs

@@ -85,6 +85,7 @@ class EngineConfig:
     seed: int
     limit_mm_per_prompt: Mapping[str, int]
     tokenizer_path: str
+    mm_processor_kwargs: Mapping[str, Any] = field(default_factory=dict)  # engine-wide processor options
 
 
 @dataclass
@@ -109,6 +110,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     encoder_cache_memory: int = 256 << 20
     tokenizer: str | None = None
+    # Processor options for every request (e.g. Qwen2-VL's {"min_pixels": ..., "max_pixels": ...});
+    # a request's own `mm_processor_kwargs` override them key by key.
+    mm_processor_kwargs: Mapping[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -137,6 +141,7 @@ class EngineArgs:
             seed=self.seed,
             limit_mm_per_prompt=dict(self.limit_mm_per_prompt),
             tokenizer_path=str(self.tokenizer or model_path),
+            mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
         )
 
     def _validate(self) -> None:
@@ -165,6 +170,13 @@ class EngineArgs:
             raise ValueError(
                 f"limit_mm_per_prompt: got {self.limit_mm_per_prompt!r}; expected a dict like {{'image': 4}}"
             )
+        unknown = [k for k in self.limit_mm_per_prompt if k not in ("image", "video")]
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality key(s) {unknown}; expected 'image' and/or "
+                             "'video', e.g. {'image': 4, 'video': 1}")
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, Mapping):
+            raise TypeError(f"mm_processor_kwargs: got {type(self.mm_processor_kwargs).__name__}; expected a dict "
+                            "like {'max_pixels': 200704}")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -282,8 +294,8 @@ def sliding_window(text_config: Any) -> int | None:
 def _image_seq_length(hf_config: Any) -> int | None:
     """Placeholder tokens per image, the way LlavaProcessor counts them."""
     vision = getattr(hf_config, "vision_config", None)
-    if vision is None:
-        return None
+    if vision is None or getattr(vision, "image_size", None) is None:
+        return None  # no fixed count (Qwen2-VL: per image, from its size)
     num_patches = (vision.image_size // vision.patch_size) ** 2
     strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
     # CLIP-like towers prepend a CLS token, SigLIP does not; "default" drops the first feature

@@ -59,7 +59,7 @@ class TokensPrompt(TypedDict):
 
 PromptInputs = Union[str, TextPrompt, TokensPrompt]
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
 _MM_DICT_KEYS = {"image": MultiModalData.Type.IMAGE, "image_embeds": MultiModalData.Type.IMAGE_EMBEDS}
 
 
@@ -110,6 +110,10 @@ class ParsedPrompt:
     prompt_token_ids: list[int] | None
     images: list[ImageItem] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden]
+    # The raw `multi_modal_data["video"]` value: parsed by processors of video models
+    # (mmkit/video_inputs.py), refused by the others.
+    video_data: Any = None
+    mm_processor_kwargs: dict | None = None  # per-request processor options (checked by the processor)
 
     @property
     def num_images(self) -> int:
@@ -166,8 +170,18 @@ def parse_prompt(index: int, item: Any) -> ParsedPrompt:
     else:
         parsed.prompt_token_ids = _parse_token_ids(f"{where}.prompt_token_ids", item["prompt_token_ids"])
     mm = item.get("multi_modal_data")
+    if isinstance(mm, dict) and "video" in mm:
+        mm = dict(mm)
+        parsed.video_data = mm.pop("video")
+        mm = mm or None
     if mm is not None:
         _attach_multi_modal(f"{where}.multi_modal_data", parsed, mm)
+    if item.get("mm_processor_kwargs") is not None:
+        kwargs = item["mm_processor_kwargs"]
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"{where}.mm_processor_kwargs: got {type(kwargs).__name__}; expected a dict like "
+                            "{'max_pixels': 200704}")
+        parsed.mm_processor_kwargs = dict(kwargs)
     return parsed
 
 
@@ -205,7 +219,8 @@ def multi_modal_from_dict(where: str, mm: dict) -> MultiModalData:
     """The `{"image": ...}` / `{"image_embeds": ...}` shorthand as a MultiModalData."""
     unknown = [k for k in mm if k not in _MM_DICT_KEYS]
     if unknown or len(mm) != 1:
-        raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)}")
+        raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)} "
+                         "(plus 'video' for models that take video)")
     key, data = next(iter(mm.items()))
     return MultiModalData(type=_MM_DICT_KEYS[key], data=data)
 

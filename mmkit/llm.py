@@ -88,11 +88,14 @@ class LLM:
         Messages are OpenAI-style: `{"role": "user", "content": "text"}` or content as a list
         of parts `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url":
         "data:image/png;base64,..." | "path/or/file://url" | "https://..."}}`,
-        `{"type": "image", "image": PIL.Image}`. Rendered with the checkpoint's chat template
+        `{"type": "image", "image": PIL.Image}`; for video models (Qwen2-VL) also
+        `{"type": "video_url", "video_url": {"url": "clip.mp4" | [frames]}}` (files need PyAV)
+        and `{"type": "video", "video": frames}`. Rendered with the checkpoint's chat template
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt)
+        allow_video = getattr(self.llm_engine.input_processor, "video_processor", None) is not None
+        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod

@@ -57,6 +57,9 @@ def pack_linears(module: nn.Module) -> int:
             count += m._packed is not None
     return count
 
+# HF text model types whose q/k/v projections carry a bias (the Qwen2 block).
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config) -> None:
@@ -66,8 +69,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(config, "attention_bias", False))
-        # Qwen2 adds a bias to q/k/v (not to o_proj) and has no `attention_bias` field.
-        qkv_bias = bias or getattr(config, "model_type", None) == "qwen2"
+        # Qwen2 (also as Qwen2-VL's text model) adds a bias to q/k/v (not to o_proj) and has
+        # no `attention_bias` field.
+        qkv_bias = bias or getattr(config, "model_type", None) in QKV_BIAS_MODEL_TYPES
         hidden = config.hidden_size
         # Checkpoint names; `fuse_weights` (after loading) replaces them by one `qkv_proj`.
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)

@@ -9,12 +9,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("mmkit.models.llava_next", "LlavaNextForConditionalGeneration"),
     "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
-_BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
-                  "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+# Families whose own module fixes the decoder and vision tower (no per-part check below).
+_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 # Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+
+
+# An old config without `architectures` is resolved by its model_type.
+_BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+                  "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:
@@ -31,6 +39,8 @@ def resolve_architecture(hf_config: Any) -> str:
             f"model: architecture {arch!r} is not supported; supported architectures: "
             f"{supported_architectures()}"
         )
+    if arch in _SELF_CONTAINED:
+        return arch
     text_type = getattr(hf_config.get_text_config(), "model_type", None)
     if text_type not in SUPPORTED_TEXT_MODELS:
         raise ValueError(

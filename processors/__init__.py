@@ -15,10 +15,13 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("mmkit.processors.llava", "LlavaInputProcessor"),
     "LlavaNextForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaNextInputProcessor"),
     "LlavaOnevisionForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaOnevisionInputProcessor"),
+    "Qwen2VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
 }
 
 
-def get_input_processor(model_config, tokenizer_path: str, limit_mm_per_prompt) -> InputProcessor:
+def get_input_processor(model_config, tokenizer_path: str, limit_mm_per_prompt,
+                        mm_processor_kwargs=None) -> InputProcessor:
     module_name, class_name = _PROCESSORS[model_config.architecture]
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(model_config, tokenizer_path, limit_mm_per_prompt)
+    return cls(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)

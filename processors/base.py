@@ -27,6 +27,9 @@ class ProcessedPrompt:
     # positions and the offset of generated tokens (position = index + delta).
     mrope_positions: torch.Tensor | None = None
     mrope_position_delta: int = 0
+    # Processor options of this request (engine-wide ones merged with its own); part of its
+    # items' content hashes, so other options never share cached embeddings or KV blocks.
+    mm_processor_kwargs: dict = field(default_factory=dict)
 
 
 class InputProcessor(Protocol):

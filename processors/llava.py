@@ -19,8 +19,13 @@ from mmkit.processors.base import ProcessedPrompt
 class LlavaInputProcessor:
     """LLaVA-1.5's `InputProcessor`: `image_seq_length` placeholder tokens per image."""
 
-    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs: got {dict(mm_processor_kwargs)!r}; "
+                             f"{model_config.architecture} takes no processor options")
 
         self.model_config = model_config
         self.image_token_id = model_config.image_token_id
@@ -48,6 +53,12 @@ class LlavaInputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
+        if parsed.video_data is not None:
+            raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.model_config.architecture} takes "
+                             "images only (expected 'image')")
+        if parsed.mm_processor_kwargs:
+            raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
+                             f"{self.model_config.architecture} takes no processor options")
         if parsed.prompt is not None:
             ids = list(self.tokenizer(parsed.prompt).input_ids)
             ids, ranges = self._expand(where, ids, self.image_token_counts(where, parsed), allow_expanded=False)

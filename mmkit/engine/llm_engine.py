@@ -45,7 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.input_processor = get_input_processor(config.model, config.tokenizer_path,
-                                                   config.limit_mm_per_prompt)
+                                                   config.limit_mm_per_prompt, config.mm_processor_kwargs)
         self.tokenizer = self.input_processor.tokenizer
         self.model_runner = ModelRunner(config, self.input_processor)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,

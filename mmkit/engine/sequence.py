@@ -109,5 +109,8 @@ class SequenceGroup:
             if self.processed.image_embeds is not None:
                 self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
             else:
-                self.image_hashes = [image_content_hash(item) for item in self.processed.images]
+                # Items that carry more than pixels (a video's frames, processor options)
+                # hash themselves (processors/qwen2_vl.py's VisionItem).
+                self.image_hashes = [item.content_hash() if hasattr(item, "content_hash") else
+                                     image_content_hash(item) for item in self.processed.images]
         return self.image_hashes

@@ -31,13 +31,46 @@ class RotaryEmbedding(nn.Module):
         signed = sin[0].clone()
         signed[:, :half] = -signed[:, :half]
         self.register_buffer("signed_sin", signed, persistent=False)
+        # M-RoPE (Qwen2-VL): frequency i of each half takes its angle from position row
+        # mrope_row[i] (0 temporal, 1 height, 2 width), transformers' `mrope_section` split.
+        rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        self.mrope_row: torch.Tensor | None = None
+        if section:
+            if sum(section) != half:
+                raise ValueError(f"model: mrope_section {section} sums to {sum(section)}; expected head_dim / 2 "
+                                 f"= {half}")
+            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            self.mrope_row = torch.cat([rows, rows])  # [head_dim]
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":
+        """positions: [num_tokens], or [3, num_tokens] M-RoPE rows."""
+        if positions.dim() == 2:
+            return StepRope(_MRopeTables(self, positions), torch.arange(positions.shape[1], device=positions.device),
+                            dtype)
         return StepRope(self, positions, dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] cos and signed sin in `dtype` (cast from float32, as HF does)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
+
+
+class _MRopeTables:
+    """This step's M-RoPE angles tabulated per token: row t holds token t's cos / signed sin
+    ([num_tokens, head_dim], float32), each dimension read at its section's position row. The
+    rotation code (torch and the bf16 C kernel) then indexes them by 0..num_tokens-1 as it
+    indexes the 1-D tables by position: the same arithmetic, only the lookup differs."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        if rotary.mrope_row is None:
+            raise ValueError("rotary: got [3, num_tokens] positions for a model without mrope_section")
+        dims = torch.arange(rotary.cos.shape[1], device=positions.device)
+        index = positions[rotary.mrope_row.to(positions.device)].T  # [num_tokens, head_dim]
+        self.cos = rotary.cos[index, dims].contiguous()
+        self.signed_sin = rotary.signed_sin[index, dims].contiguous()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryEmbedding.cos_sin(self, positions, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
