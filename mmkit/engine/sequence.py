@@ -15,6 +15,7 @@ from mmkit.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mmkit.processors.base import ProcessedPrompt
+    from mmkit.structured_outputs.request import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +47,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Grammar state of a constrained request (structured outputs); it has accepted every
+    # output token, so a recompute after preemption (which keeps the tokens) leaves it valid.
+    structured: "StructuredOutputRequest | None" = None
     # Detokenizer state (see mmkit/engine/detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0

@@ -109,10 +109,12 @@ class ModelRunner:
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = s.seq.output_token_ids if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids)]
-        # Pending forks (n > 1) draw their first token from the same logits row.
+        # NOTE: pending forks (n > 1) draw their first token from the same logits row and,
+        # not yet forked, share the parent's grammar state (all are at its start).
+        structured = s.seq.structured
+        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids, structured)]
         for child in group.pending_forks[: copies - 1]:
-            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids))
+            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids, structured))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
