@@ -33,7 +33,9 @@ class StructuredOutputRequest:
             self.num_accepted -= num_tokens
 
     def fork(self) -> "StructuredOutputRequest":
-        return StructuredOutputRequest(self.compiled_grammar, self.matcher.fork())
+        child = StructuredOutputRequest(self.compiled_grammar, self.matcher.fork())
+        child.num_accepted = self.num_accepted
+        return child
 
     def rebuild(self, output_token_ids: list[int]) -> "StructuredOutputRequest":
         """A fresh matcher replayed over the tokens generated so far."""
