@@ -164,3 +164,28 @@ def test_batch_bitmask_advance_fork_rollback_and_eos(backend):
     assert child.num_accepted == 1 and not child.is_completed()
     rebuilt = state.rebuild([one, two])
     assert rebuilt.is_completed() and rebuilt.num_accepted == 2
+
+
+@pytest.mark.parametrize("vocab", [384 + 8, 49152 + 5])
+def test_cpu_bitmask_kernel_equals_xgrammar(vocab):
+    import xgrammar as xgr
+
+    from mmkit.layers import cpu_kernels
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler: the sampler uses xgrammar's kernel")
+    gen = torch.Generator().manual_seed(0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # everything allowed
+    bitmask[2] = 0  # nothing allowed
+    bitmask[3, : words // 2] = 0
+    full = torch.randn(6, vocab + 3, generator=gen)
+    base = full[:, :vocab].clone()
+    indices = [0, 2, 3, 5]
+    ours, ref = full.clone()[:, :vocab], base.clone()  # ours: strided rows
+    assert ours.stride(0) == vocab + 3
+    assert cpu_kernels.apply_token_bitmask(ours, bitmask, indices)
+    xgr.apply_token_bitmask_inplace(ref, bitmask, indices=indices, vocab_size=vocab, backend="torch_native")
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[[1, 4]], base[[1, 4]]) and torch.isinf(ours[2]).all()

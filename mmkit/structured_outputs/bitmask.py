@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mmkit.layers import cpu_kernels
+
 
 class GrammarBitmask:
     """Owned by the sampler: a reusable CPU int32 buffer `[rows, ceil(vocab / 32)]`, bit j of
@@ -38,4 +40,6 @@ class GrammarBitmask:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=indices)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
+        elif cpu_kernels.apply_token_bitmask(logits, bitmask, indices):
+            return  # mmkit's C kernel: skips all-allowed words, fills all-banned ones
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, vocab_size=vocab)
