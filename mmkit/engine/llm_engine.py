@@ -10,6 +10,7 @@ import torch
 from mmkit.config import EngineArgs, EngineConfig
 from mmkit.engine import detokenizer, output_builder
 from mmkit.engine.block_manager import BlockManager, blocks_needed
+from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.inputs import ParsedPrompt, parse_prompt
@@ -33,7 +34,9 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.input_processor)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
+        row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
         self.groups: dict[str, SequenceGroup] = {}
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
@@ -131,7 +134,6 @@ class LLMEngine:
             group = self.groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort_group(group)
-                group.image_embeds = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -148,18 +150,18 @@ class LLMEngine:
             try:
                 result = self.model_runner.execute_model(sched)
             except BaseException:
-                self.block_manager.forget(sched.published_blocks)
+                self.scheduler.step_failed(sched)
                 raise
             for s in sched.scheduled:
                 s.seq.num_computed_tokens = s.end
                 touched[s.seq.group.request_id] = s.seq.group
+            self.scheduler.finish_step(sched)
             self._postprocess(result, sched)
         outputs = []
         for rid, group in touched.items():
             outputs.append(output_builder.build_output(group))
             if group.is_finished and self.groups.get(rid) is group:
                 del self.groups[rid]
-                group.image_embeds = None
                 self.stats["num_requests_finished"] += 1
         return outputs
 
@@ -212,8 +214,8 @@ class LLMEngine:
         metrics["num_preemptions"] = self.scheduler.num_preemptions
         metrics["prefix_cache_queries"] = self.block_manager.num_cache_queries
         metrics["prefix_cache_hits"] = self.block_manager.num_cache_hits
-        metrics["encoder_cache_hits"] = self.model_runner.encoder_cache.num_hits
-        metrics["encoder_cache_misses"] = self.model_runner.encoder_cache.num_misses
+        metrics["encoder_cache_hits"] = self.encoder_cache_manager.num_hits
+        metrics["encoder_cache_misses"] = self.encoder_cache_manager.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
         return metrics
