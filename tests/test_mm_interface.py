@@ -13,6 +13,7 @@ from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.models.interfaces import (PlaceholderRange, SupportsMultiModal, merge_multimodal_embeddings,
                                      placeholder_slices)
 from mmkit.worker.model_runner import ModelRunner
+from mmkit.worker.seq_state import Chunk
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -62,9 +63,8 @@ def test_llava_implements_the_interface(tiny_ckpt):
 
 def test_mrope_positions_follow_the_processor_rows_then_index_plus_delta():
     table = torch.tensor([[0, 1, 1, 1, 3], [0, 1, 1, 2, 3], [0, 1, 2, 1, 3]])  # [3, 5 prompt tokens]
-    processed = SimpleNamespace(mrope_positions=table, mrope_position_delta=-2)
-    chunk = lambda start, end: SimpleNamespace(seq=SimpleNamespace(group=SimpleNamespace(processed=processed)),
-                                               start=start, end=end)
+    state = SimpleNamespace(mrope_positions=table, mrope_position_delta=-2)
+    chunk = lambda start, end: Chunk(state, start, end)
     runner = SimpleNamespace(device=torch.device("cpu"))
     out = ModelRunner._mrope_positions(runner, [chunk(6, 7), chunk(1, 4), chunk(3, 7)])
     assert out.shape == (3, 1 + 3 + 4)

@@ -200,8 +200,18 @@ def test_streaming_async_engine(tiny_ckpt, llm):
         jsonschema.validate(json.loads(texts[-1]), SCHEMA)
 
 
-def test_ignore_eos_still_ends_when_the_grammar_does(llm):
+def test_ignore_eos_after_the_grammar_completes_allows_eos_alone(llm):
     tok = llm.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, structured_outputs=so(choice=["ab", "cd"]))
+    params = SamplingParams(temperature=0.9, seed=1, max_tokens=12, ignore_eos=True,
+                            structured_outputs=so(choice=["ab", "cd"]))
     c = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
-    assert c.text in ("ab", "cd") and c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
+    assert c.text in ("ab", "cd") and c.finish_reason == "length" and len(c.token_ids) == 12
+    answer_len = len(c.token_ids) - c.token_ids.index(tok.eos_token_id)
+    assert c.token_ids[-answer_len:] == [tok.eos_token_id] * answer_len
+
+
+def test_min_tokens_cannot_ban_the_only_allowed_token(llm):
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=10, min_tokens=6,
+                            structured_outputs=so(choice=["ab", "cd"]))
+    c = llm.generate("y", params, use_tqdm=False)[0].outputs[0]
+    assert c.text in ("ab", "cd") and c.finish_reason == "stop"

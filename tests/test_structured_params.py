@@ -167,8 +167,9 @@ def test_batch_bitmask_advance_fork_rollback_and_eos(backend):
     assert rebuilt.is_completed() and rebuilt.num_accepted == 2
 
 
-@pytest.mark.parametrize("vocab", [384 + 8, 49152 + 5])
-def test_cpu_bitmask_kernel_equals_xgrammar(vocab):
+@pytest.mark.parametrize("vocab, dtype", [(384 + 8, torch.float32), (49152 + 5, torch.float32),
+                                          (49152 + 5, torch.bfloat16), (1000, torch.float16)])
+def test_cpu_bitmask_kernel_equals_xgrammar(vocab, dtype):
     import xgrammar as xgr
 
     from mmkit.layers import cpu_kernels
@@ -181,7 +182,7 @@ def test_cpu_bitmask_kernel_equals_xgrammar(vocab):
     bitmask[1] = -1  # everything allowed
     bitmask[2] = 0  # nothing allowed
     bitmask[3, : words // 2] = 0
-    full = torch.randn(6, vocab + 3, generator=gen)
+    full = torch.randn(6, vocab + 3, generator=gen).to(dtype)
     base = full[:, :vocab].clone()
     indices = [0, 2, 3, 5]
     ours, ref = full.clone()[:, :vocab], base.clone()  # ours: strided rows

@@ -1,25 +1,21 @@
 """Sampler: one batched pass over the step's logits.
 
-Order (vLLM's): structured-output grammar mask -> penalties -> min_tokens EOS mask ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> softmax -> draw. Draws use each
-sequence's own generator (`probs / Exp(1)` noise, argmax), so a seeded request samples the
-same tokens whatever else is in the batch. Reported logprobs are those of the model
-distribution before penalties and filters; for a constrained row, after the grammar mask
-(the constrained distribution: forbidden tokens have logprob -inf).
+Order (vLLM's): penalties -> min_tokens EOS mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> softmax -> draw. Draws use each sequence's own generator
+(`probs / Exp(1)` noise, argmax), so a seeded request samples the same tokens whatever
+else is in the batch. Reported logprobs are those of the raw model distribution; sampler
+hooks (structured outputs' grammar mask) run before the sampler, so for a constrained row that
+is the constrained distribution (forbidden tokens: -inf).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mmkit.layers import cpu_kernels
 from mmkit.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from mmkit.structured_outputs.request import StructuredOutputRequest
 
 
 @dataclass
@@ -30,7 +26,6 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    structured: "StructuredOutputRequest | None" = None  # grammar state when constrained
 
 
 @dataclass
@@ -76,18 +71,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Ban EOS (unless ignore_eos) and the stop token ids of rows below min_tokens."""
     banned = []
-    for r in rows:
+    for i, r in enumerate(rows):
         ids: list[int] = []
-        # A complete grammar allows only EOS: min_tokens cannot ban it without banning all.
-        complete = r.structured is not None and r.structured.is_completed()
-        if len(r.output_token_ids) < r.params.min_tokens and not complete:
+        if len(r.output_token_ids) < r.params.min_tokens:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 ids += list(r.params.eos_token_ids)
-        banned.append([t for t in ids if t < logits.shape[-1]])
+        ids = list(dict.fromkeys(t for t in ids if t < logits.shape[-1]))
+        if ids and _only_allowed(logits[i], ids):
+            ids = []  # e.g. a complete grammar allows EOS alone: banning it would ban everything
+        banned.append(ids)
     r_idx, t_idx = _row_token_index(rows, banned, logits.device)
     logits[r_idx, t_idx] = float("-inf")
     return logits
+
+
+def _only_allowed(row: torch.Tensor, ids: list[int]) -> bool:
+    """Whether every finite logit of `row` ([vocab]) is at one of `ids`."""
+    return int(torch.isfinite(row).sum()) <= int(torch.isfinite(row[ids]).sum())
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -113,19 +114,15 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def _is_plain_greedy(row: SamplingRow) -> bool:
-    params = row.params
+def _is_plain_greedy(params: SamplingParams) -> bool:
     return (params.is_greedy and not params.has_penalties and not params.min_tokens
-            and params.logprobs is None and row.structured is None)
+            and params.logprobs is None)
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self._grammar_bitmask = None  # built at the first constrained row (imports xgrammar)
-
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab]; sampled in float32 whatever the model dtype.
-        if logits.device.type == "cpu" and all(_is_plain_greedy(r) for r in rows):
+        if logits.device.type == "cpu" and all(_is_plain_greedy(r.params) for r in rows):
             # Nothing to transform or report: the first maximal index of the raw logits, in one
             # pass without the float32 copy (argmax over bf16 equals argmax over its float cast).
             token_ids = cpu_kernels.argmax_rows(logits)
@@ -133,9 +130,6 @@ class Sampler:
                 return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, ranks=None, top_ids=None,
                                      top_logprobs=None)
         logits = logits.float()
-        constrained = [i for i, r in enumerate(rows) if r.structured is not None]
-        if constrained:
-            self._apply_grammar(logits, rows, constrained)
         wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         # The full log_softmax costs as much as the rest of greedy sampling: only when asked.
         raw_logprobs = logits.log_softmax(dim=-1) if wants else None
@@ -161,14 +155,6 @@ class Sampler:
                 out.top_ids = top.indices.tolist()
                 out.top_logprobs = top.values.tolist()
         return out
-
-    def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        """Mask forbidden tokens of the constrained rows in place (one bitmask fill per step)."""
-        if self._grammar_bitmask is None:
-            from mmkit.structured_outputs.bitmask import GrammarBitmask
-
-            self._grammar_bitmask = GrammarBitmask()
-        self._grammar_bitmask.apply(logits, [rows[i].structured.matcher for i in indices], indices)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

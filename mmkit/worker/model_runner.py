@@ -15,25 +15,26 @@ from pathlib import Path
 import torch
 
 from mmkit.config import EngineConfig
-from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from mmkit.scheduler_output import SchedulerOutput
 from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices, uses_mrope
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Sampled tokens for the scheduled chunks that reached the end of their sequence."""
 
-    sampled: list[ScheduledSeq]  # in the order of the sampler rows
+    sampled_seq_ids: list[int]  # in the order of the sampler rows
     sampler_output: SamplerOutput | None
-    # Rows of `sampler_output` per sampled chunk: n rows for a prompt that forks n samples.
+    # Rows of `sampler_output` per sampled sequence: n rows for a prompt that forks n samples.
     row_counts: list[int]
-    prompt_logprobs: dict[str, torch.Tensor]  # request_id -> [chunk_len, vocab] logprobs
+    prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (chunk start, [chunk_len, vocab])
 
 
 @contextlib.contextmanager
@@ -67,14 +68,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
+        self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
+        self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
+        self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._run_encoder(sched)
+        self._update_states(sched)
         self._copy_blocks(sched.block_copies)
+        self._run_encoder(sched)
         # Decode tokens (chunks of one token) first, then prefill chunks.
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
+        chunks = []
+        for seq_id, num_new in sched.num_scheduled_tokens.items():
+            state = self.states[seq_id]
+            chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
+        order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
         input_ids, positions, slots, meta = self._prepare(order)
         if self.uses_mrope:
             positions = self._mrope_positions(order)
@@ -82,45 +91,88 @@ class ModelRunner:
         self._merge_multimodal(order, embeds)
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
-        sampled, rows, row_counts, last_rows = [], [], [], []
+        sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
         row = 0
-        prompt_lp: dict[str, torch.Tensor] = {}
-        for s in order:
-            group = s.seq.group
-            if group.params.prompt_logprobs is not None and s.seq.num_output_tokens == 0 and s.seq.index == 0:
-                prompt_lp[group.request_id] = self._chunk_logprobs(hidden[row:row + s.num_new_tokens])
-            row += s.num_new_tokens
-            if not s.samples:
+        prompt_lp: dict[int, tuple[int, torch.Tensor]] = {}
+        for c in order:
+            state = c.state
+            if (state.params.prompt_logprobs is not None and state.num_output_tokens == 0
+                    and state.sample_index == 0):
+                prompt_lp[state.seq_id] = (c.start, self._chunk_logprobs(hidden[row:row + c.num_new_tokens]))
+            row += c.num_new_tokens
+            state.num_computed_tokens = c.end
+            if not c.samples:
                 continue
-            copies = 1 + s.seq.num_pending_forks
-            sampled.append(s)
+            copies = 1 + len(state.pending_forks)
+            sampled.append(state)
             row_counts.append(copies)
             last_rows.extend([row - 1] * copies)
-            rows.extend(self._sampling_rows(s, copies))
+            rows.extend(self._sampling_rows(state))
+            row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        return ModelRunnerOutput(sampled, self.sampler(logits, rows), row_counts, prompt_lp)
+        for hook in self.sampler_hooks:
+            hook.apply(logits, row_states)
+        out = self.sampler(logits, rows)
+        row = 0
+        for state, count in zip(sampled, row_counts):
+            token = out.token_ids[row]
+            state.token_ids.append(token)  # the runner's own copy of the tokens
+            state.pending_forks = []
+            for hook in self.sampler_hooks:
+                hook.on_sampled(state, token)
+            row += count
+        return ModelRunnerOutput([s.seq_id for s in sampled], out, row_counts, prompt_lp)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for seq_id in sched.finished_seq_ids:
+            self.states.pop(seq_id, None)
+            self._fork_generators.pop(seq_id, None)
+        for d in sched.new_seqs:
+            old = self.states.get(d.seq_id)
+            generator = old.generator if old is not None else self._fork_generators.pop(d.seq_id, None)
+            state = self.states[d.seq_id] = CachedSeqState(
+                seq_id=d.seq_id, request_id=d.request_id, sample_index=d.sample_index,
+                token_ids=list(d.token_ids), prompt_token_ids=d.token_ids[:d.num_prompt_tokens],
+                params=d.sampling_params, generator=generator or self._make_generator(d.seed),
+                block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
+                placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
+                mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
+                pending_forks=list(d.pending_forks))
+            if old is not None:  # a rebuild: per-sequence sampler objects carry over
+                state.sampler_state = old.sampler_state
+            else:
+                for hook in self.sampler_hooks:
+                    hook.on_new_seq(state)
+        for c in sched.cached_seqs:
+            state = self.states[c.seq_id]
+            for index, block_id in c.replaced_blocks:
+                state.block_table[index] = block_id
+            state.block_table.extend(c.new_block_ids)
+            state.num_computed_tokens = c.num_computed_tokens
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).log_softmax(dim=-1)
 
-    def _sampling_rows(self, s: ScheduledSeq, copies: int) -> list[SamplingRow]:
-        group = s.seq.group
-        params = group.params
+    def _sampling_rows(self, state: CachedSeqState) -> list[SamplingRow]:
+        params = state.params
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
-        output_ids = s.seq.output_token_ids if (params.has_penalties or params.min_tokens) else []
-        # NOTE: pending forks (n > 1) draw their first token from the same logits row and,
-        # not yet forked, share the parent's grammar state (all are at its start).
-        structured = s.seq.structured
-        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids, structured)]
-        for child in group.pending_forks[: copies - 1]:
-            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids, structured))
+        output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
+        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids)]
+        # Pending forks (n > 1) draw their first token from the same logits row, each with
+        # its own generator, kept for when the fork arrives as a new sequence.
+        for child_id, seed in state.pending_forks:
+            generator = self._fork_generators[child_id] = self._make_generator(seed)
+            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
-    def _prepare(self, order: list[ScheduledSeq]):
+    def _prepare(self, order: list[Chunk]):
         """Flat step inputs. Built from Python ints and turned into tensors once per step
         (no per-sequence tensor ops): decode rows cost O(1) each, whatever their length."""
         bs = self.block_size
@@ -130,18 +182,18 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        for s in order:
-            seq = s.seq
-            table = seq.block_table
-            start, end = s.start, s.end
+        for c in order:
+            state = c.state
+            table = state.block_table
+            start, end = c.start, c.end
             if end - start == 1:
-                ids.append(seq.token_ids[start])
+                ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(end)
                 continue
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             prefills.append(PrefillChunk(len(ids) - (end - start), end - start, end,
@@ -188,41 +240,40 @@ class ModelRunner:
         for key, value in fresh.items():
             store.put(key, value)
 
-    def _merge_multimodal(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
+    def _merge_multimodal(self, order: list[Chunk], embeds: torch.Tensor) -> None:
         """Scatter cached item embeddings into the placeholder rows this step computes."""
         items: list[torch.Tensor] = []
         index: dict[str, int] = {}
         slices: list[EmbedSlice] = []
         row = 0
-        for s in order:
-            group = s.seq.group
-            ranges = group.processed.placeholder_ranges
-            if ranges:
-                for sl in placeholder_slices(ranges, s.start, s.end, row):
-                    key = group.encoder_keys[sl.item]
+        for c in order:
+            state = c.state
+            if state.placeholder_ranges:
+                for sl in placeholder_slices(state.placeholder_ranges, c.start, c.end, row):
+                    key = state.encoder_keys[sl.item]
                     if key not in index:
                         value = self.encoder_cache.get(key)
                         if value is None:  # pragma: no cover - the scheduler's invariant
-                            raise RuntimeError(f"request {group.request_id!r}: encoder cache entry {key!r} missing")
+                            raise RuntimeError(f"request {state.request_id!r}: encoder cache entry {key!r} missing")
                         index[key] = len(items)
                         items.append(value)
                     slices.append(replace(sl, item=index[key]))
-            row += s.num_new_tokens
+            row += c.num_new_tokens
         merge_multimodal_embeddings(embeds, items, slices)
 
-    def _mrope_positions(self, order: list[ScheduledSeq]) -> torch.Tensor:
+    def _mrope_positions(self, order: list[Chunk]) -> torch.Tensor:
         """[3, num_tokens] positions for a `SupportsMRoPE` model: the processor's rows for
         prompt tokens, index + delta (in all three rows) for generated ones."""
         parts = []
-        for s in order:
-            processed = s.seq.group.processed
-            table = processed.mrope_positions  # [3, num_prompt_tokens]
+        for c in order:
+            state = c.state
+            table = state.mrope_positions  # [3, num_prompt_tokens]
             num_prompt = table.shape[1] if table is not None else 0
-            lo, hi = s.start, s.end
+            lo, hi = c.start, c.end
             if lo < num_prompt:
                 parts.append(table[:, lo:min(hi, num_prompt)])
             if hi > num_prompt:
-                gen = torch.arange(max(lo, num_prompt), hi) + processed.mrope_position_delta
+                gen = torch.arange(max(lo, num_prompt), hi) + state.mrope_position_delta
                 parts.append(gen.expand(3, -1))
         return torch.cat(parts, dim=1).to(self.device)
 
