@@ -57,6 +57,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._request_errors: dict[str, BaseException] = {}
+        self._structured_backend = None  # xgrammar, built at the first constrained request
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -81,6 +82,11 @@ class LLMEngine:
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
         processed = self.input_processor.process(parsed)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
+        if params.structured_outputs is not None:
+            try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
+                self.structured_backend.compile(params.structured_outputs)
+            except ValueError as exc:
+                raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): {exc}") from exc
         return processed, params
 
     def _window_note(self, max_len: int) -> str:
@@ -89,6 +95,21 @@ class LLMEngine:
             return ""
         return (f" (the decoder's sliding attention window of {window} tokens; mmkit does not "
                 f"implement sliding-window attention yet)")
+
+    @property
+    def structured_backend(self):
+        """The engine's xgrammar backend (tokenizer info built once, compiled-grammar cache).
+        Built at the first constrained request, which also registers its sampler hook with the
+        runner, so unconstrained workloads never pay for it."""
+        if self._structured_backend is None:
+            from mmkit.structured_outputs.backend import StructuredOutputBackend
+            from mmkit.structured_outputs.hook import StructuredOutputHook
+
+            vocab_size = self.config.model.hf_config.get_text_config().vocab_size
+            backend = StructuredOutputBackend(self.tokenizer, vocab_size, self.eos_token_ids)
+            self.model_runner.sampler_hooks.append(StructuredOutputHook(backend))
+            self._structured_backend = backend
+        return self._structured_backend
 
     def _check_fits(self, request_id: str, index: int, num_tokens: int) -> None:
         max_len = self.config.scheduler.max_model_len

@@ -3,7 +3,9 @@
 Order (vLLM's): penalties -> min_tokens EOS mask -> greedy argmax, or temperature ->
 top-k -> top-p -> min-p -> softmax -> draw. Draws use each sequence's own generator
 (`probs / Exp(1)` noise, argmax), so a seeded request samples the same tokens whatever
-else is in the batch. Reported logprobs are those of the raw model distribution.
+else is in the batch. Reported logprobs are those of the raw model distribution; sampler
+hooks (structured outputs' grammar mask) run before the sampler, so for a constrained row that
+is the constrained distribution (forbidden tokens: -inf).
 """
 
 from __future__ import annotations
@@ -69,16 +71,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Ban EOS (unless ignore_eos) and the stop token ids of rows below min_tokens."""
     banned = []
-    for r in rows:
+    for i, r in enumerate(rows):
         ids: list[int] = []
         if len(r.output_token_ids) < r.params.min_tokens:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 ids += list(r.params.eos_token_ids)
-        banned.append([t for t in ids if t < logits.shape[-1]])
+        ids = list(dict.fromkeys(t for t in ids if t < logits.shape[-1]))
+        if ids and _only_allowed(logits[i], ids):
+            ids = []  # e.g. a complete grammar allows EOS alone: banning it would ban everything
+        banned.append(ids)
     r_idx, t_idx = _row_token_index(rows, banned, logits.device)
     logits[r_idx, t_idx] = float("-inf")
     return logits
+
+
+def _only_allowed(row: torch.Tensor, ids: list[int]) -> bool:
+    """Whether every finite logit of `row` ([vocab]) is at one of `ids`."""
+    return int(torch.isfinite(row).sum()) <= int(torch.isfinite(row[ids]).sum())
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
