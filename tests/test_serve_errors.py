@@ -287,3 +287,16 @@ def test_fuzz_chat_endpoint_never_answers_5xx(server, body):
         assert set(json.loads(content)["error"]) == {"message", "type", "param", "code"}
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert content.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_disconnect_before_a_whole_answer_aborts_it(server, path):
+    before = scrape(server.url, AUTH)
+    body = {"model": "mm", "max_tokens": 400, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "Describe."}]} if path == "/chat/completions"
+                else {"prompt": "USER: Describe. ASSISTANT:"})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + path, json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.3))
+    after = wait_until_idle(server.url, AUTH)
+    assert after["mmkit:num_requests_running"] == 0 and after["mmkit:kv_blocks_used"] == 0
+    assert after["mmkit:generation_tokens_total"] - before["mmkit:generation_tokens_total"] < 400

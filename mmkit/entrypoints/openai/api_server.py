@@ -27,7 +27,7 @@ from mmkit.entrypoints.openai.metrics import ServerMetrics
 from mmkit.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from mmkit.entrypoints.openai.serving_engine import ServerConfig
+from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig
 
 logger = logging.getLogger("mmkit.serve")
 
@@ -60,12 +60,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
                                for name in config.served_model_names])
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await chat.create_chat_completion(request)
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await completion.create_completion(request)
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await completion.create_completion(request, raw_request)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -134,6 +134,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             shown = repr(first.get("input"))[:80]
             message = f"{param or 'body'}: {first.get('msg', 'invalid')} (got {shown})"
         return JSONResponse(OpenAIError(message, 400, param=param).body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
