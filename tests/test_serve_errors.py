@@ -210,6 +210,7 @@ def test_unknown_model_is_a_404(server, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     good_request_works(client)
+    assert 'mmkit:http_requests_total{status="404"}' in httpx.get(server.url + "/metrics", headers=AUTH).text
 
 
 def test_api_key(server, client):

@@ -66,6 +66,7 @@ def test_colour_question_with_a_data_uri(client):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
 
 
 @pytest.mark.parametrize("index", range(3))

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import mmkit
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.metrics import ServerMetrics
@@ -52,6 +53,10 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
         if engine.errored:
             return JSONResponse(OpenAIError("the engine loop failed", 503).body(), status_code=503)
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": mmkit.__version__}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -113,11 +118,13 @@ class ApiKeyMiddleware:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        request.app.state.metrics.count_rejected(exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        request.app.state.metrics.count_rejected(400)
         # OpenAI answers 400 (not FastAPI's 422) for a body it cannot use, bad JSON included.
         errors = exc.errors()
         first = errors[0] if errors else {}

@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingRequestFields(BaseModel):
     """Fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -80,7 +80,7 @@ class _SamplingFields(BaseModel):
 
 
 # ---------------------------------------------------------------------- chat
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingRequestFields):
     """Body of `POST /v1/chat/completions`.
 
     `messages` stay plain dicts here: mmkit.chat validates them with messages that name the
@@ -166,7 +166,7 @@ class ChatCompletionChunk(_AlwaysSendObject):
 
 
 # ---------------------------------------------------------------------- completions
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingRequestFields):
     """Body of `POST /v1/completions`: `prompt` is a string, a list of strings, a list of
     token ids or a list of token-id lists."""
 

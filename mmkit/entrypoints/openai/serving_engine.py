@@ -14,7 +14,7 @@ from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.media import MediaPolicy
 from mmkit.entrypoints.openai.metrics import ServerMetrics
-from mmkit.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from mmkit.entrypoints.openai.protocol import UsageInfo, SamplingRequestFields
 from mmkit.errors import EngineDeadError
 from mmkit.outputs import CompletionOutput, RequestOutput
 from mmkit.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class ServerConfig:
         return self.served_model_names[0]
 
 
-def structured_outputs_from_request(request: _SamplingFields) -> Any:
+def structured_outputs_from_request(request: SamplingRequestFields) -> Any:
     """`response_format` / `structured_outputs` / vLLM's `guided_*` -> the engine's
     `StructuredOutputsParams`, or None for free text.
 
@@ -88,7 +88,7 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist. Served: {list(self.config.served_model_names)}",
                               404, param="model", code="model_not_found")
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    def sampling_params(self, request: SamplingRequestFields, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
         """The request's fields -> `SamplingParams` (whose checks give the 400 messages)."""
         structured = structured_outputs_from_request(request)
