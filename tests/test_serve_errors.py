@@ -193,6 +193,7 @@ def test_bad_completion_input_is_a_400(server, client, case):
     body, param = COMPLETION_ERRORS[case]
     check_error(post(server, "/completions", body), 400, param)
     good_request_works(client)
+    assert wait_until_idle(server.url, AUTH)["mmkit:kv_blocks_used"] == 0  # started prompts were aborted
 
 
 def test_allowed_media_sources_work(client, media_dir, image_host):

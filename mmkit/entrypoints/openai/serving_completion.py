@@ -82,24 +82,24 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _start_all(self, inputs: list[dict], params: SamplingParams, request_id: str
                          ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
-        """Start one request per prompt; a bad prompt aborts the ones already started."""
-        started = []
-        try:
-            for i, item in enumerate(inputs):
-                rid = request_id if len(inputs) == 1 else f"{request_id}-{i}"
-                try:
-                    started.append(await self.start(item, params, rid))
-                except OpenAIError as exc:
-                    name = "prompt" if len(inputs) == 1 else f"prompt[{i}]"
-                    exc.message = exc.message.replace("inputs[0]", name)
-                    if exc.param and exc.param.startswith("inputs[0]"):
-                        exc.param = name
-                    raise
-        except BaseException:
-            for _, stream in started:
-                await stream.aclose()
-            raise
-        return started
+        """Start one request per prompt, all at once (validated together, prefilled together);
+        if any prompt is bad, the others are aborted and the first bad one is the 400."""
+        ids = [request_id if len(inputs) == 1 else f"{request_id}-{i}" for i in range(len(inputs))]
+        results = await asyncio.gather(*(self.start(item, params, rid) for item, rid in zip(inputs, ids)),
+                                       return_exceptions=True)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failed:
+            return results
+        for r in results:
+            if not isinstance(r, BaseException):
+                await r[1].aclose()  # leaving the stream aborts the request
+        i, exc = failed[0]
+        if isinstance(exc, OpenAIError):
+            name = "prompt" if len(inputs) == 1 else f"prompt[{i}]"
+            exc.message = exc.message.replace("inputs[0]", name)
+            if exc.param and exc.param.startswith("inputs[0]"):
+                exc.param = name
+        raise exc
 
     def _echo_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
