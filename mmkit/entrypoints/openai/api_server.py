@@ -1,7 +1,8 @@
 """The FastAPI app (`create_app`) and the uvicorn runner (`run_server`) behind `mmkit serve`.
 
-Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
-`GET /metrics`, and the playground page at `/` when `mmkit/entrypoints/ui/` is present.
+Routes: `GET /health`, `GET /version`, `GET /v1/models`, `POST /v1/chat/completions`,
+`POST /v1/completions`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and the
+playground page at `/` when `mmkit/entrypoints/ui/` is present.
 Every error is OpenAI's JSON body; a client's bad input is a 4xx, never a 500.
 """
 
@@ -25,10 +26,13 @@ import mmkit
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.metrics import ServerMetrics
-from mmkit.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                               TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig
+from mmkit.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("mmkit.serve")
 
@@ -45,6 +49,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     metrics = ServerMetrics(engine)
     chat = OpenAIServingChat(engine, config, metrics)
     completion = OpenAIServingCompletion(engine, config, metrics)
+    tokenization = OpenAIServingTokenization(engine, config, metrics)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     _add_error_handlers(app)
 
@@ -71,6 +76,14 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
         return await completion.create_completion(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(request)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -112,7 +125,8 @@ class ApiKeyMiddleware:
         path = scope.get("path", "")
         if path in _OPEN_PATHS:
             return True
-        api = path.startswith("/v1/") or path in ("/metrics", "/docs", "/openapi.json")
+        api = path.startswith("/v1/") or path in ("/metrics", "/docs", "/openapi.json", "/tokenize",
+                                                  "/detokenize", "/version")
         return self.ui_enabled and scope.get("method") in ("GET", "HEAD") and not api
 
 
