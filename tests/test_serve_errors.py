@@ -75,7 +75,7 @@ def media_dir(tmp_path_factory):
 def server(media_dir):
     proc = ServerProcess("--api-key", KEY, "--served-model-name", "mm", "mm-alias",
                          "--allowed-local-media-path", str(media_dir), "--allowed-media-domains", "127.0.0.1",
-                         "--limit-mm-per-prompt", '{"image": 2}',
+                         "--limit-mm-per-prompt", '{"image": 2}', "--allowed-origins", "http://app.test",
                          env={"MMKIT_MAX_IMAGE_FETCH_BYTES": str(MAX_FETCH), "MMKIT_IMAGE_FETCH_TIMEOUT": "1.5"})
     yield proc
     assert proc.stop() == 0, proc.output()[-3000:]
@@ -302,3 +302,11 @@ def test_disconnect_before_a_whole_answer_aborts_it(server, path):
     after = wait_until_idle(server.url, AUTH)
     assert after["mmkit:num_requests_running"] == 0 and after["mmkit:kv_blocks_used"] == 0
     assert after["mmkit:generation_tokens_total"] - before["mmkit:generation_tokens_total"] < 400
+
+
+def test_cors_preflight_passes_for_allowed_origins_only(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(server.base_url + "/chat/completions", headers={"Origin": "http://app.test", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.test"
+    other = httpx.options(server.base_url + "/chat/completions", headers={"Origin": "http://evil.test", **preflight})
+    assert "access-control-allow-origin" not in other.headers

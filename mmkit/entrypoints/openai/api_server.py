@@ -97,6 +97,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
         app.mount("/", StaticFiles(directory=str(ui), html=True), name="ui")
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, ui_enabled=enable_ui)
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Added last, so it is outermost: a browser's preflight carries no key and must pass.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 
@@ -209,6 +215,11 @@ def build_engine_args(args: Any):
     return EngineArgs(**kwargs)
 
 
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    """`a,b c` -> ("a", "b", "c"): list flags take commas, spaces or both."""
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
 def _read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
@@ -228,13 +239,13 @@ def run_server(args: Any) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    media = MediaPolicy.from_args(args.allowed_local_media_path,
-                                  ",".join(args.allowed_media_domains) if args.allowed_media_domains else None)
+    media = MediaPolicy.from_args(args.allowed_local_media_path, list(_split(args.allowed_media_domains)))
     chat_template = _read_chat_template(args.chat_template)
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
     names = tuple(args.served_model_name or [args.model or "default-model"])
     config = ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
-                          media=media, chat_template=chat_template, api_key=args.api_key or None)
+                          media=media, chat_template=chat_template, api_key=args.api_key or None,
+                          allowed_origins=_split(args.allowed_origins))
     app = create_app(engine, config, enable_ui=args.enable_ui)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="off")

@@ -35,6 +35,7 @@ class ServerConfig:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     chat_template: str | None = None
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no cross-origin browser calls
 
     @property
     def model_name(self) -> str:
