@@ -31,6 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help='most items per prompt, e.g. \'{"image": 4}\' (default: the engine\'s, 8 images)')
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
                                                          "(default: the checkpoint's)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves unset: 'auto' = the checkpoint's "
+                        "generation_config.json, 'vllm' = none (temperature 1, ...), or a folder holding one")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = parser.add_argument_group("server")

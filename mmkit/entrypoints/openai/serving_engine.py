@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
@@ -36,6 +36,9 @@ class ServerConfig:
     chat_template: str | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no cross-origin browser calls
+    # Sampling defaults for fields a request leaves unset (the checkpoint's generation_config.json,
+    # as `vllm serve --generation-config auto` does), e.g. {"temperature": 0.7}.
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -70,6 +73,22 @@ def structured_outputs_from_request(request: SamplingRequestFields) -> Any:
 
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_from(folder: str | None) -> dict[str, Any]:
+    """The sampling fields a checkpoint's generation_config.json sets explicitly, in
+    `SamplingParams` names ({} when there is none or `folder` is None)."""
+    if folder is None:
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+    except OSError:  # no generation_config.json
+        return {}
+    return {ours: diff[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if diff.get(theirs) is not None}
 
 
 class OpenAIServing:
@@ -101,11 +120,15 @@ class OpenAIServing:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
         )
-        # Unset fields keep SamplingParams' defaults (vLLM's): temperature 1, top_p 1, ...
+        # Unset fields: the checkpoint's generation config, else SamplingParams' (vLLM's) defaults.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(request, name)
+            if value is None:
+                value = self.config.default_sampling.get(name)
             if value is not None:
                 values[name] = value
+        if max_tokens is None and "max_tokens" in self.config.default_sampling:
+            values["max_tokens"] = self.config.default_sampling["max_tokens"]
         if structured is not None:
             values["structured_outputs"] = structured
         try:
