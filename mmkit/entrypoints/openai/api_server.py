@@ -208,8 +208,12 @@ class _Server(uvicorn.Server):
 def build_engine_args(args: Any):
     from mmkit.config import EngineArgs
 
-    kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-                                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    kwargs: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer)
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return EngineArgs(**kwargs)
