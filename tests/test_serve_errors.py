@@ -16,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmkit.scenes import draw_shape
-from serve_utils import RED_CIRCLE, ServerProcess, data_uri, image_message, scrape, sse_events, wait_until_idle
+from serve_utils import RED_CIRCLE, ServerProcess, data_uri, image_message, scrape, wait_until_idle
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
@@ -20,6 +21,7 @@ from mmkit.outputs import CompletionOutput, RequestOutput
 from mmkit.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("mmkit.serve")
 
 #: The largest `top_logprobs` / completions `logprobs` accepted (OpenAI's limits).
 MAX_TOP_LOGPROBS = 20
@@ -146,12 +148,10 @@ class OpenAIServing:
         stream = self.engine.generate(inputs, params, request_id)
         try:
             first = await stream.__anext__()
-        except (ValueError, TypeError) as exc:
-            raise bad_request(exc) from exc
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead") from exc
         except StopAsyncIteration as exc:  # aborted (shutdown) before the first output
             raise OpenAIError("the request was aborted: the server is shutting down", 503) from exc
+        except Exception as exc:  # noqa: BLE001 - each kind has its status in request_error
+            raise request_error(exc) from exc
         return first, stream
 
     @staticmethod
@@ -163,8 +163,8 @@ class OpenAIServing:
             async for out in stream:
                 timer.on_output(out)
                 final = out
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead") from exc
+        except Exception as exc:  # noqa: BLE001 - each kind has its status in request_error
+            raise request_error(exc) from exc
         if not final.finished:
             raise OpenAIError("the request was aborted: the server is shutting down", 503)
         return final
@@ -199,6 +199,20 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def request_error(exc: BaseException) -> OpenAIError:
+    """What a request's failure tells the client: bad input is a 400, a stopped engine a 503,
+    anything else (the model failed on this request) a 500 that names the error."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(exc)
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
+    logger.error("request failed: %r", exc)
+    return OpenAIError(f"the request failed in the engine: {type(exc).__name__}: {exc}", 500,
+                       code="request_failed")
 
 
 class ClientDisconnected(Exception):

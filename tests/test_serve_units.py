@@ -1,0 +1,79 @@
+"""The server's pure pieces, without a server: error mapping, stream bookkeeping, prompt forms,
+media policy decisions, generation-config defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
+from mmkit.entrypoints.openai.media import MediaPolicy
+from mmkit.entrypoints.openai.serving_completion import prompts_to_inputs
+from mmkit.entrypoints.openai.serving_engine import default_sampling_from, request_error
+from mmkit.entrypoints.openai.streaming import StreamState
+from mmkit.errors import EngineDeadError
+from mmkit.outputs import CompletionOutput
+from serve_utils import RED_CIRCLE
+
+
+def test_request_error_statuses():
+    assert request_error(ValueError("top_p: got 5; expected 0 < top_p <= 1")).status_code == 400
+    assert request_error(ValueError("top_p: got 5")).param == "top_p"
+    assert request_error(TypeError("messages[0].content[1].text: got int")).param == "messages[0].content[1].text"
+    dead = request_error(EngineDeadError("loop failed"))
+    assert dead.status_code == 503 and dead.code == "engine_dead"
+    crashed = request_error(RuntimeError("CUDA error: device-side assert"))
+    assert crashed.status_code == 500 and crashed.type == "server_error" and "CUDA error" in crashed.message
+    same = OpenAIError("x", 404)
+    assert request_error(same) is same
+    assert bad_request(ValueError("response_format.json_schema: got None")).param == "response_format.json_schema"
+    assert set(same.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_stream_state_sends_each_finish_once_and_only_new_text():
+    state = StreamState(2, prefixes=["echo:", ""])
+    out = CompletionOutput(index=0, text="ab", token_ids=[1, 2])
+    assert state.advance(out) == ("echo:ab", 0, 2)
+    assert state.advance(out) is None  # nothing new
+    out = CompletionOutput(index=0, text="abc", token_ids=[1, 2, 3, 4], finish_reason="stop")
+    assert state.advance(out) == ("c", 2, 4)
+    assert state.advance(out) is None  # finished: never again
+    held = CompletionOutput(index=1, text="", token_ids=[9], finish_reason="length")
+    assert state.advance(held) == ("", 0, 1)  # a finish with no new text is still sent
+
+
+def test_prompt_forms():
+    assert prompts_to_inputs("hi") == [{"prompt": "hi"}]
+    assert prompts_to_inputs(["a", "b"]) == [{"prompt": "a"}, {"prompt": "b"}]
+    assert prompts_to_inputs([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert prompts_to_inputs([[1], [2, 3]]) == [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
+    for bad in ([], [[1], []]):
+        with pytest.raises(OpenAIError, match="empty list"):
+            prompts_to_inputs(bad)
+
+
+def test_media_policy(tmp_path):
+    (tmp_path / "inside.png").write_bytes(RED_CIRCLE.read_bytes())
+    policy = MediaPolicy.from_args(str(tmp_path), "a.example, b.example")
+    assert policy.allowed_media_domains == {"a.example", "b.example"}
+    assert policy.load(str(tmp_path / "inside.png"), "m").size == policy.load((tmp_path / "inside.png").as_uri(), "m").size
+    with pytest.raises(ValueError, match="outside the allowed folder"):
+        policy.load(str(RED_CIRCLE), "m")
+    with pytest.raises(ValueError, match="'c.example' is not allowed"):
+        policy.load("https://c.example/x.png", "m")
+    with pytest.raises(ValueError, match="scheme 'ftp'"):
+        policy.load("ftp://a.example/x.png", "m")
+    closed = MediaPolicy()
+    with pytest.raises(ValueError, match="only when started with --allowed-local-media-path"):
+        closed.load(str(RED_CIRCLE), "m")
+    with pytest.raises(ValueError, match="not a folder"):
+        MediaPolicy.from_args(str(tmp_path / "inside.png"), None)
+
+
+def test_generation_config_defaults(tmp_path):
+    assert default_sampling_from(None) == {}
+    assert default_sampling_from(str(tmp_path)) == {}  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 64,'
+        ' "bos_token_id": 1}')
+    assert default_sampling_from(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                                    "repetition_penalty": 1.05, "max_tokens": 64}
