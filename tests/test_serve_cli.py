@@ -67,7 +67,10 @@ def test_sigterm_aborts_in_flight_requests_and_exits_0():
 
 def test_sigint_exits_0_api_key_from_the_environment_generation_config_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3}')
-    server = ServerProcess("--generation-config", str(tmp_path), env={"MMKIT_API_KEY": "from-env"})
+    template = (REPO / "assets" / "default-model" / "chat_template.jinja").read_text()
+    (tmp_path / "template.jinja").write_text("PREFIX " + template)
+    server = ServerProcess("--generation-config", str(tmp_path), "--chat-template", str(tmp_path / "template.jinja"),
+                           env={"MMKIT_API_KEY": "from-env"})
     key = {"Authorization": "Bearer from-env"}
     try:
         assert httpx.get(server.base_url + "/models").status_code == 401
@@ -82,6 +85,11 @@ def test_sigint_exits_0_api_key_from_the_environment_generation_config_defaults(
         sampled = httpx.post(server.base_url + "/completions", json={**body, "temperature": 1.0},
                              headers=key).json()
         assert len({c["text"] for c in sampled["choices"]}) > 1  # a set temperature wins
+        # --chat-template FILE replaces the checkpoint's template.
+        ids = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                         headers=key).json()["tokens"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=key).json()["prompt"]
+        assert text.replace("<s>", "").strip().startswith("PREFIX USER: hi")
     finally:
         t0 = time.monotonic()
         code = server.stop(signal.SIGINT)
