@@ -77,3 +77,15 @@ def test_generation_config_defaults(tmp_path):
         ' "bos_token_id": 1}')
     assert default_sampling_from(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20,
                                                     "repetition_penalty": 1.05, "max_tokens": 64}
+
+
+def test_app_routes_and_openapi_schema():
+    from mmkit.entrypoints.openai.api_server import create_app
+    from mmkit.entrypoints.openai.serving_engine import ServerConfig
+
+    app = create_app(object(), ServerConfig(("m",), 512), enable_ui=False)  # routes only: no engine call
+    paths = set(app.openapi()["paths"])
+    assert {"/health", "/version", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+            "/tokenize", "/detokenize"} <= paths
+    body = app.openapi()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_completion_tokens", "top_logprobs", "top_k", "response_format"} <= set(body)
