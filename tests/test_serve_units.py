@@ -89,3 +89,22 @@ def test_app_routes_and_openapi_schema():
             "/tokenize", "/detokenize"} <= paths
     body = app.openapi()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "top_logprobs", "top_k", "response_format"} <= set(body)
+
+
+def test_playground_mount_and_no_ui(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from mmkit.entrypoints.openai.api_server import create_app
+    from mmkit.entrypoints.openai.serving_engine import ServerConfig
+
+    (tmp_path / "index.html").write_text("<html>playground</html>")
+    config = ServerConfig(("m",), 512, api_key="k")
+    with TestClient(create_app(object(), config, ui_dir=tmp_path)) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and "playground" in page.text  # static files need no key
+        assert client.get("/v1/models").status_code == 401
+        assert client.post("/v1/chat/completions", json={}).json()["error"]["code"] == "invalid_api_key"
+    with TestClient(create_app(object(), config, ui_dir=tmp_path, enable_ui=False)) as client:
+        assert client.get("/").status_code == 401  # --no-ui: / is an API route like the others
+        missing = client.get("/", headers={"Authorization": "Bearer k"})
+        assert missing.status_code == 404 and "error" in missing.json()
