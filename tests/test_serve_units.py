@@ -39,6 +39,11 @@ def test_stream_state_sends_each_finish_once_and_only_new_text():
     assert state.advance(out) is None  # finished: never again
     held = CompletionOutput(index=1, text="", token_ids=[9], finish_reason="length")
     assert state.advance(held) == ("", 0, 1)  # a finish with no new text is still sent
+    rewritten = StreamState(1)
+    assert rewritten.advance(CompletionOutput(index=0, text="ab", token_ids=[1]))[0] == "ab"
+    assert rewritten.advance(CompletionOutput(index=0, text="xbc", token_ids=[1, 2])) is None
+    assert rewritten.advance(CompletionOutput(index=0, text="xbc", token_ids=[1, 2], finish_reason="stop")) == \
+        ("", 1, 2)
 
 
 def test_prompt_forms():
