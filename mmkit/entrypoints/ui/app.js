@@ -97,10 +97,12 @@
 
   // ---- API key -------------------------------------------------------------------------
 
-  function keyMessage(sentKey) {
+  // A clear message for a 401, with the server's own words after it.
+  function keyMessage(sentKey, serverMessage) {
+    const said = serverMessage ? " (server: " + serverMessage + ")" : "";
     return sentKey
-      ? "401 Unauthorized: the server rejected this API key. Enter the key `mmkit serve --api-key` was started with."
-      : "401 Unauthorized: this server needs an API key. Enter it above.";
+      ? "401 Unauthorized: the server rejected this API key" + said + ". Enter the key `mmkit serve --api-key` was started with."
+      : "401 Unauthorized: this server needs an API key" + said + ". Enter it above.";
   }
 
   function askForKey() {
@@ -124,11 +126,11 @@
   }
 
   // A 401: forget the key (it is wrong or missing) and ask for one.
-  function unauthorized(sentKey) {
+  function unauthorized(sentKey, serverMessage) {
     state.apiKey = null;
     storeKey(null);
     askForKey();
-    showError(keyMessage(sentKey));
+    showError(keyMessage(sentKey, serverMessage));
   }
 
   // ---- connecting: which model, and is a key needed? -----------------------------------
@@ -145,7 +147,7 @@
     }
     if (response.status === 401) {
       el.modelName.textContent = "API key needed";
-      unauthorized(sentKey);
+      unauthorized(sentKey, await errorMessage(response));
       return false;
     }
     if (!response.ok) {
@@ -425,7 +427,7 @@
       scrollToEnd();
       if (!el.prompt.value) el.prompt.value = text;
       if (attachment && !state.attachment) restoreAttachment(attachment);
-      if (failure.status === 401) unauthorized(sentKey);
+      if (failure.status === 401) unauthorized(sentKey, failure.message);
       else showError("Error" + (failure.status ? " " + failure.status : "") + ": " + failure.message);
       return;
     }
