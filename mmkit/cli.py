@@ -3,6 +3,7 @@
     mmkit caption IMAGE [IMAGE ...]
     mmkit ask IMAGE "QUESTION"
     mmkit eval DATA --output RESULTS.jsonl
+    mmkit serve [--model M] [--port 8000]     (OpenAI-compatible server; needs mmkit[serve])
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                    help="items admitted to the engine at once (bounds memory; default 2 x max_num_seqs)")
     _common(p)
+    from mmkit.entrypoints.openai.cli_args import add_serve_arguments  # argparse only: stays light
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1/chat/completions, ...)",
+                       description="Serve the model over HTTP with OpenAI's API; prints the URL when ready. "
+                                   "Needs the serve extra: pip install 'mmkit[serve]'.")
+    add_serve_arguments(p)
     return parser
 
 
@@ -132,9 +139,19 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from mmkit.entrypoints.openai.api_server import run_server
+    except ImportError as exc:
+        print(f"mmkit serve: error: {exc}; install the server's packages: pip install 'mmkit[serve]'",
+              file=sys.stderr)
+        return 2
+    return run_server(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"caption": cmd_caption, "ask": cmd_ask, "eval": cmd_eval}[args.command]
+    handler = {"caption": cmd_caption, "ask": cmd_ask, "eval": cmd_eval, "serve": cmd_serve}[args.command]
     try:
         return handler(args)
     except (ValueError, TypeError) as exc:

@@ -1,0 +1,1 @@
+"""Network entry points (the OpenAI-compatible server). Needs the `serve` extra."""

@@ -1,0 +1,223 @@
+"""The FastAPI app (`create_app`) and the uvicorn runner (`run_server`) behind `mmkit serve`.
+
+Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
+`GET /metrics`, and the playground page at `/` when `mmkit/entrypoints/ui/` is present.
+Every error is OpenAI's JSON body; a client's bad input is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mmkit.engine.async_engine import AsyncLLMEngine
+from mmkit.entrypoints.openai.errors import OpenAIError
+from mmkit.entrypoints.openai.metrics import ServerMetrics
+from mmkit.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
+from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from mmkit.entrypoints.openai.serving_engine import ServerConfig
+
+logger = logging.getLogger("mmkit.serve")
+
+#: The playground's static files (index.html, app.js, style.css), served at `/` when present.
+UI_DIR = Path(__file__).resolve().parent.parent / "ui"
+_OPEN_PATHS = ("/health",)
+
+
+def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool = True,
+               ui_dir: Path | None = None) -> FastAPI:
+    """One app over one engine. `enable_ui` serves `ui_dir` (default `UI_DIR`) at `/` if it exists."""
+    disable_created_metrics()  # no `*_created` series: they only clutter the scrape
+    app = FastAPI(title="mmkit OpenAI-compatible server", docs_url="/docs", redoc_url=None)
+    metrics = ServerMetrics(engine)
+    chat = OpenAIServingChat(engine, config, metrics)
+    completion = OpenAIServingCompletion(engine, config, metrics)
+    app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return JSONResponse(OpenAIError("the engine loop failed", 503).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        root = engine.engine.config.model.path
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=config.max_model_len)
+                               for name in config.served_model_names])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest):
+        return await chat.create_chat_completion(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return await completion.create_completion(request)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    ui = ui_dir or UI_DIR
+    if enable_ui and (ui / "index.html").is_file():
+        from fastapi.staticfiles import StaticFiles
+
+        # Mounted last: the API routes above match first.
+        app.mount("/", StaticFiles(directory=str(ui), html=True), name="ui")
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, ui_enabled=enable_ui)
+    return app
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every route but /health (and the playground's static files,
+    which hold no data: the page asks for the key and sends it with its API calls)."""
+
+    def __init__(self, app: ASGIApp, api_key: str, ui_enabled: bool) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.ui_enabled = ui_enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._is_open(scope):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = OpenAIError("Incorrect API key provided" if given else "Missing API key: send 'Authorization: "
+                            "Bearer KEY'", 401, code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+    def _is_open(self, scope: Scope) -> bool:
+        path = scope.get("path", "")
+        if path in _OPEN_PATHS:
+            return True
+        api = path.startswith("/v1/") or path in ("/metrics", "/docs", "/openapi.json")
+        return self.ui_enabled and scope.get("method") in ("GET", "HEAD") and not api
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400 (not FastAPI's 422) for a body it cannot use, bad JSON included.
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        if loc and loc[0] == "prompt" and len(loc) > 1:  # a union: name the forms, not each member's error
+            message = ("prompt: expected a string, a list of strings, a list of token ids or a list of "
+                       f"token-id lists (got {repr(first.get('input'))[:80]})")
+            param = "prompt"
+        elif first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
+            param = None
+        else:
+            shown = repr(first.get("input"))[:80]
+            message = f"{param or 'body'}: {first.get('msg', 'invalid')} (got {shown})"
+        return JSONResponse(OpenAIError(message, 400, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(OpenAIError(str(exc.detail), exc.status_code).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        return JSONResponse(OpenAIError(f"internal server error: {type(exc).__name__}", 500).body(),
+                            status_code=500)
+
+
+# ---------------------------------------------------------------------- runner
+class _Server(uvicorn.Server):
+    """uvicorn's server; a SIGINT/SIGTERM aborts the in-flight requests and exits with status 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, ready_message) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.ready_message = ready_message
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            print(self.ready_message(port), flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        # NOTE: uvicorn re-raises a captured signal after a graceful stop (so the process dies
+        # of it); a signal is how a server is meant to stop, so the exit status stays 0.
+        if hasattr(self, "_captured_signals"):
+            self._captured_signals.clear()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.engine.shutdown)  # streams end now, not at their end
+
+
+def build_engine_args(args: Any):
+    from mmkit.config import EngineArgs
+
+    kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+                                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    if args.limit_mm_per_prompt is not None:
+        kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
+    return EngineArgs(**kwargs)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def run_server(args: Any) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM; returns the exit status (0)."""
+    import torch
+
+    from mmkit.entrypoints.openai.media import MediaPolicy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    media = MediaPolicy.from_args(args.allowed_local_media_path,
+                                  ",".join(args.allowed_media_domains) if args.allowed_media_domains else None)
+    chat_template = _read_chat_template(args.chat_template)
+    engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
+    names = tuple(args.served_model_name or [args.model or "default-model"])
+    config = ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
+                          media=media, chat_template=chat_template, api_key=args.api_key or None)
+    app = create_app(engine, config, enable_ui=args.enable_ui)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=5, lifespan="off")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    server = _Server(uv_config, engine,
+                     lambda port: f"mmkit serve: {names[0]} ready at http://{host}:{port}/v1")
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1

@@ -1,0 +1,47 @@
+"""The `mmkit serve` flags (vLLM's names). Plain argparse: importing this needs no fastapi."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _limit_mm(value: str) -> dict[str, int]:
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"got {value!r}; expected JSON like '{{\"image\": 4}}'") from exc
+    if not isinstance(limits, dict) or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                           for v in limits.values()):
+        raise argparse.ArgumentTypeError(f"got {value!r}; expected JSON like '{{\"image\": 4}}'")
+    return limits
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, help="checkpoint folder or cached model id (default: the embedded model)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) clients use as `model` (default: --model, or 'default-model')")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
+    g.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
+                   help='most items per prompt, e.g. \'{"image": 4}\' (default: the engine\'s, 8 images)')
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
+                                                         "(default: the checkpoint's)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    g.add_argument("--api-key", default=os.environ.get("MMKIT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env MMKIT_API_KEY)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url may name local files (paths or file://) under DIR only (default: none)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts http(s) image URLs may come from, comma- or space-separated (default: none)")
+    g.add_argument("--no-ui", dest="enable_ui", action="store_false", help="do not serve the playground at /")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")

@@ -1,0 +1,146 @@
+"""What the chat and completion handlers share: the served model's names, request ->
+`SamplingParams`, starting a request on the `AsyncLLMEngine` so that bad input is a 400
+before any byte of a stream is sent, and the request metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from mmkit.engine.async_engine import AsyncLLMEngine
+from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
+from mmkit.entrypoints.openai.media import MediaPolicy
+from mmkit.entrypoints.openai.metrics import ServerMetrics
+from mmkit.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from mmkit.errors import EngineDeadError
+from mmkit.outputs import CompletionOutput, RequestOutput
+from mmkit.sampling_params import SamplingParams
+
+#: The largest `top_logprobs` / completions `logprobs` accepted (OpenAI's limits).
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the handlers need besides the engine; built once from the command line."""
+
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    chat_template: str | None = None
+    api_key: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def structured_outputs_from_request(request: _SamplingFields) -> Any:
+    """`response_format` / `structured_outputs` -> the engine's structured-output parameters.
+
+    NOTE: the one place to replace when structured outputs land in the engine; until then
+    anything but plain text is a clear 400 instead of output that ignores the constraint.
+    """
+    fmt = request.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise OpenAIError(f"response_format: got type {fmt.get('type')!r}; structured outputs are not "
+                          "supported yet by this server (only {'type': 'text'})", 400, param="response_format")
+    if request.structured_outputs:
+        raise OpenAIError("structured_outputs: structured outputs are not supported yet by this server", 400,
+                          param="structured_outputs")
+    return None
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist. Served: {list(self.config.served_model_names)}",
+                              404, param="model", code="model_not_found")
+
+    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+                        ) -> SamplingParams:
+        """The request's fields -> `SamplingParams` (whose checks give the 400 messages)."""
+        structured_outputs_from_request(request)
+        values: dict[str, Any] = dict(
+            n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output, ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+        )
+        # Unset fields keep SamplingParams' defaults (vLLM's): temperature 1, top_p 1, ...
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(request, name)
+            if value is not None:
+                values[name] = value
+        try:
+            return SamplingParams(**values)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from exc
+
+    async def start(self, inputs: Any, params: SamplingParams, request_id: str
+                    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+        """Add one request and wait for its first output.
+
+        Input checks (prompt too long, too many images, a bad image) raise before or at the
+        first output, so they become a 400 before a response (or a stream) has begun.
+        """
+        stream = self.engine.generate(inputs, params, request_id)
+        try:
+            first = await stream.__anext__()
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc) from exc
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead") from exc
+        except StopAsyncIteration as exc:  # aborted (shutdown) before the first output
+            raise OpenAIError("the request was aborted: the server is shutting down", 503) from exc
+        return first, stream
+
+    @staticmethod
+    def usage(outputs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class RequestTimer:
+    """Arrival, first-token and end times of one HTTP request, fed to the metrics."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self.first_token is None and any(c.token_ids for c in out.outputs):
+            self.first_token = time.perf_counter()
+            self.metrics.time_to_first_token.observe(self.first_token - self.arrival)
+
+    def finish(self, status: str) -> None:
+        self.metrics.observe_request(time.perf_counter() - self.arrival, status)
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    """OpenAI's finish reasons: "stop" (EOS or a stop string/token) or "length"."""
+    if c.finish_reason in ("stop", "length"):
+        return c.finish_reason
+    return None if c.finish_reason is None else "stop"
+
+
+def finite(value: float) -> float:
+    """JSON has no -inf: a filtered-out token's logprob is sent as -9999.0 (vLLM does the same)."""
+    return max(float(value), -9999.0) if value == value else -9999.0
