@@ -7,15 +7,15 @@ turns that into a failure.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import time
 
 import pytest
 
-from ui_harness import (RED_CIRCLE, ServeProcess, ask, browser_missing_reason, capture_conversation,
-                        launch_chromium, wait_connected)
+from serve_utils import ServerProcess, data_uri, scrape
+from ui_harness import (RED_CIRCLE, ask, browser_missing_reason, capture_conversation, launch_chromium,
+                        start_server, wait_connected)
 
 QUESTION = "What color is the circle?"
 API_KEY = "sesame-4711"
@@ -43,9 +43,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(browser):
-    server = ServeProcess()
+    server = start_server()
     yield server
-    server.close()
+    server.stop()
 
 
 @pytest.fixture
@@ -64,17 +64,13 @@ def page(browser):
     assert page.js_errors == [], page.js_errors
 
 
-def _openai(server: ServeProcess, api_key: str = "unused"):
+def _openai(server: ServerProcess, api_key: str = "unused"):
     from openai import OpenAI
 
-    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key or api_key, max_retries=0)
+    return OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0)
 
 
-def _image_data_uri(path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
-def _greedy_api_answer(server: ServeProcess, body: dict) -> tuple[str, int]:
+def _greedy_api_answer(server: ServerProcess, body: dict) -> tuple[str, int]:
     """The API's own non-streamed answer for the body the page sent: (text, completion tokens)."""
     out = _openai(server).chat.completions.create(
         model=body["model"], messages=body["messages"], temperature=body["temperature"],
@@ -82,8 +78,9 @@ def _greedy_api_answer(server: ServeProcess, body: dict) -> tuple[str, int]:
     return out.choices[0].message.content, out.usage.completion_tokens
 
 
-def _metric(values: dict[str, float], name: str) -> float:
-    matches = [v for k, v in values.items() if k == name or k == name + "_total"]
+def _metric(server: ServerProcess, name: str) -> float:
+    values = scrape(server.url)
+    matches = [v for k, v in values.items() if k in (name, name + "_total")]
     assert matches, f"{name} not in /metrics: {sorted(values)}"
     return matches[0]
 
@@ -93,7 +90,7 @@ def test_page_is_self_contained_labelled_and_fits_a_narrow_window(server, page):
     page.on("request", lambda r: origins.add(r.url.split("/")[2]) if "://" in r.url[:10] else None)
     page.goto(server.url + "/")
     wait_connected(page)
-    assert origins == {f"127.0.0.1:{server.port}"}, origins  # no CDN, fonts or other hosts
+    assert origins == {server.url.split("/")[2]}, origins  # no CDN, fonts or other hosts
 
     for testid in ("image-input", "prompt", "send", "new-chat", "temperature", "max-tokens"):
         assert page.get_by_test_id(testid).count() == 1, testid
@@ -140,7 +137,7 @@ def test_red_circle_streams_the_api_greedy_answer_and_keeps_the_image(server, pa
     body = page.chat_requests[-1]
     assert body["stream"] is True and body["temperature"] == 0 and body["max_tokens"] == 32
     expected_messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _image_data_uri(RED_CIRCLE)}},
+        {"type": "image_url", "image_url": {"url": data_uri(RED_CIRCLE)}},
         {"type": "text", "text": QUESTION}]}]
     assert body["messages"] == expected_messages
     api_text, api_tokens = _greedy_api_answer(server, body)
@@ -191,7 +188,7 @@ def test_stop_ends_the_stream_and_the_server_aborts_the_request(server, page):
     page.goto(server.url + "/")
     wait_connected(page)
     page.get_by_test_id("max-tokens").fill(str(max_tokens))
-    generated_before = _metric(server.metrics(), "mmkit:generation_tokens")
+    generated_before = _metric(server, "mmkit:generation_tokens")
     page.get_by_test_id("image-input").set_input_files(str(RED_CIRCLE))
     page.get_by_test_id("prompt").fill("Describe the image.")
     page.get_by_test_id("send").click()
@@ -210,12 +207,12 @@ def test_stop_ends_the_stream_and_the_server_aborts_the_request(server, page):
     assert int(stats.get_attribute("data-tokens")) < max_tokens
 
     deadline = time.monotonic() + 5
-    while _metric(values := server.metrics(), "mmkit:num_requests_running") != 0:
-        assert time.monotonic() < deadline, f"a request still runs 5 s after the stop: {values}"
+    while _metric(server, "mmkit:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "a request still runs 5 s after the stop"
         time.sleep(0.1)
-    assert _metric(server.metrics(), "mmkit:num_requests_waiting") == 0
+    assert _metric(server, "mmkit:num_requests_waiting") == 0
     # The server stopped generating: far fewer tokens than the request asked for.
-    assert _metric(server.metrics(), "mmkit:generation_tokens") - generated_before < max_tokens
+    assert _metric(server, "mmkit:generation_tokens") - generated_before < max_tokens
 
     # The page keeps working, and the stopped turn stays in the conversation.
     page.unroute("**/v1/chat/completions")
@@ -254,7 +251,7 @@ def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(s
 
 
 def test_api_key_is_asked_once_and_a_wrong_key_gets_a_clear_401(browser, page):
-    server = ServeProcess(api_key=API_KEY)
+    server = start_server(api_key=API_KEY)
     try:
         page.goto(server.url + "/")
         key = page.get_by_test_id("api-key")
@@ -282,7 +279,7 @@ def test_api_key_is_asked_once_and_a_wrong_key_gets_a_clear_401(browser, page):
         assert page.get_by_test_id("api-key").count() == 0
         assert "red" in ask(page, QUESTION, RED_CIRCLE)
     finally:
-        server.close()
+        server.stop()
 
 
 def test_screenshot_helper_captures_a_conversation(server, page, tmp_path):

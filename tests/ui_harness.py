@@ -1,4 +1,4 @@
-"""Browser-test harness for the playground page: a real `mmkit serve` subprocess and a real Chromium.
+"""Browser-test harness for the playground page: a real Chromium and a real `mmkit serve` subprocess.
 
 Used by tests/test_ui_browser.py, and as a script that makes the README's screenshot:
 
@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-RED_CIRCLE = REPO / "assets" / "scenes" / "red_circle.png"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script, too
+
+from serve_utils import RED_CIRCLE, REPO, ServerProcess  # noqa: E402
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Flags for a quiet, offline, containerised run (no sandbox: CI containers often run as root).
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-SERVER_START_TIMEOUT_S = 180.0
 
 
 def find_chromium() -> Optional[str]:
@@ -61,81 +56,20 @@ def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=find_chromium(), args=CHROMIUM_ARGS)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """`mmkit serve` with the embedded model on a free local port, as a subprocess."""
-
-    def __init__(self, api_key: Optional[str] = None, extra_args: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
-        self.api_key = api_key
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "mmkit", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--threads", "1", "--log-level", "warning", *extra_args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.pop("MMKIT_API_KEY", None)  # only --api-key decides
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="mmkit-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-chars:]
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mmkit serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        self.close()
-        raise RuntimeError(f"mmkit serve did not become healthy in {SERVER_START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def metrics(self) -> dict[str, float]:
-        """GET /metrics as {name: value} for the unlabelled samples."""
-        request = urllib.request.Request(self.url + "/metrics")
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+def start_server(api_key: Optional[str] = None) -> ServerProcess:
+    """`mmkit serve` with the embedded model on a free port (tests/serve_utils.py); stop() ends it."""
+    if api_key:
+        return ServerProcess("--api-key", api_key)
+    return ServerProcess(env={"MMKIT_API_KEY": ""})  # a key in the caller's environment must not leak in
 
 
 @contextmanager
-def serve(api_key: Optional[str] = None) -> Iterator[ServeProcess]:
-    server = ServeProcess(api_key=api_key)
+def serve(api_key: Optional[str] = None) -> Iterator[ServerProcess]:
+    server = start_server(api_key)
     try:
         yield server
     finally:
-        server.close()
+        server.stop()
 
 
 # ------------------------------------------------------------------ page actions shared with the tests
