@@ -14,7 +14,7 @@ import time
 import pytest
 
 from serve_utils import ServerProcess, data_uri, scrape
-from ui_harness import (RED_CIRCLE, ask, browser_missing_reason, capture_conversation, launch_chromium,
+from ui_harness import (RED_CIRCLE, SCREENSHOT_SIZE, ask, browser_missing_reason, capture_conversation, launch_chromium,
                         start_server, wait_connected)
 
 QUESTION = "What color is the circle?"
@@ -287,5 +287,5 @@ def test_screenshot_helper_captures_a_conversation(server, page, tmp_path):
 
     out = capture_conversation(page, server.url, tmp_path / "playground.png")
     with Image.open(out) as img:
-        assert img.size == (960, 720)
+        assert img.size == (SCREENSHOT_SIZE["width"], SCREENSHOT_SIZE["height"])
     assert page.get_by_test_id("assistant-message").count() == 2

@@ -95,7 +95,7 @@ def ask(page, question: str, image: Optional[Path] = None, *, press_enter: bool 
     return page.get_by_test_id("assistant-message").nth(answers_before).text_content()
 
 
-SCREENSHOT_SIZE = {"width": 960, "height": 720}
+SCREENSHOT_SIZE = {"width": 1000, "height": 800}
 
 
 def capture_conversation(page, url: str, out: Path) -> Path:

@@ -71,6 +71,12 @@
 
   function scrollToEnd() { el.transcript.scrollTop = el.transcript.scrollHeight; }
 
+  // The conversation follows new text while the reader is at its end (also when the composer
+  // grows, e.g. an image preview appears); scrolling up to read stops that until they return.
+  let pinned = true;
+  el.transcript.addEventListener("scroll", () => { pinned = nearBottom(); });
+  new ResizeObserver(() => { if (pinned) scrollToEnd(); }).observe(el.transcript);
+
   function formatBytes(n) {
     if (n < 1024) return n + " B";
     if (n < 1024 * 1024) return (n / 1024).toFixed(1) + " KB";
@@ -244,6 +250,7 @@
     }
     turn.appendChild(make("p", "text", text));
     el.transcript.appendChild(turn);
+    pinned = true;
     scrollToEnd();
     return turn;
   }
@@ -399,10 +406,9 @@
           if (delta) {
             if (s.firstAt === null) s.firstAt = performance.now();
             s.chunks += 1;
-            const follow = nearBottom();
             answer.textNode.appendData(delta);
             text_ += delta;
-            if (follow) scrollToEnd();
+            if (pinned) scrollToEnd();
           }
           if (choice.finish_reason) s.finish = choice.finish_reason;
         });
@@ -436,7 +442,7 @@
     if (s.finish === "stopped") answer.message.classList.add("stopped");
     state.messages.push(userMessage, { role: "assistant", content: text_ });
     showStats(answer.turn, s);
-    if (nearBottom()) scrollToEnd();
+    if (pinned) scrollToEnd();
     if (document.activeElement === document.body) el.prompt.focus();
   }
 
