@@ -7,6 +7,7 @@ turns that into a failure.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -219,6 +220,51 @@ def test_stop_ends_the_stream_and_the_server_aborts_the_request(server, page):
     follow_up = ask(page, QUESTION)
     assert "red" in follow_up
     assert len(page.chat_requests[-1]["messages"]) == 3
+
+
+def _file_event(page, kind: str, path) -> None:
+    """Drop `path` on the page, or paste it into the question box, as a browser would."""
+    payload = base64.b64encode(path.read_bytes()).decode()
+    page.evaluate("""([kind, name, payload]) => {
+        const bytes = Uint8Array.from(atob(payload), (c) => c.charCodeAt(0));
+        const data = new DataTransfer();
+        data.items.add(new File([bytes], name, {type: "image/png"}));
+        if (kind === "paste") {
+            document.getElementById("prompt").dispatchEvent(
+                new ClipboardEvent("paste", {clipboardData: data, bubbles: true, cancelable: true}));
+        } else {
+            const target = document.getElementById("transcript");
+            for (const type of ["dragenter", "dragover", "drop"])
+                target.dispatchEvent(new DragEvent(type, {dataTransfer: data, bubbles: true, cancelable: true}));
+        }
+    }""", [kind, path.name, payload])
+
+
+def test_drop_and_paste_attach_an_image_and_escape_stops(server, page):
+    page.goto(server.url + "/")
+    wait_connected(page)
+    for kind in ("drop", "paste"):
+        page.get_by_test_id("new-chat").click()
+        _file_event(page, kind, RED_CIRCLE)
+        page.locator("#attachment:not([hidden])").wait_for()
+        assert "red_circle.png" in page.locator("#attachment-name").text_content()
+        assert page.locator("#preview").evaluate("img => img.complete && img.naturalWidth > 0")
+        assert page.locator("#drop-overlay").is_hidden()
+        assert "red" in ask(page, QUESTION)
+        assert page.chat_requests[-1]["messages"][0]["content"][0]["image_url"]["url"] == data_uri(RED_CIRCLE)
+
+    # Escape stops an answer like the stop button does (a long one: see the stop test).
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**json.loads(route.request.post_data), "ignore_eos": True})))
+    page.get_by_test_id("max-tokens").fill("400")
+    page.get_by_test_id("prompt").fill("Describe the image.")
+    page.get_by_test_id("prompt").press("Enter")
+    page.wait_for_function("document.querySelectorAll('[data-testid=assistant-message]')[1]"
+                           "?.textContent.length > 0", polling="raf")
+    page.keyboard.press("Escape")
+    page.get_by_test_id("stats").nth(1).wait_for()
+    assert "stopped" in page.get_by_test_id("stats").nth(1).text_content()
+    assert int(page.get_by_test_id("stats").nth(1).get_attribute("data-tokens")) < 400
 
 
 def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(server, page):

@@ -364,7 +364,7 @@
     const attachment = state.attachment;
     const content = [];
     if (attachment) content.push({ type: "image_url", image_url: { url: attachment.url } });
-    content.push({ type: "text", text: text });
+    if (text) content.push({ type: "text", text: text });
     const userMessage = { role: "user", content: content };
     const userTurn = addUserTurn(text, attachment);
     const answer = addAssistantTurn();
