@@ -142,7 +142,10 @@ def cmd_eval(args) -> int:
 def cmd_serve(args) -> int:
     try:
         from mmkit.entrypoints.openai.api_server import run_server
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("fastapi", "uvicorn", "pydantic", "prometheus_client",
+                                                   "starlette"):
+            raise
         print(f"mmkit serve: error: {exc}; install the server's packages: pip install 'mmkit[serve]'",
               file=sys.stderr)
         return 2

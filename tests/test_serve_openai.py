@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -226,3 +227,19 @@ def test_100_concurrent_streams_equal_greedy_alone_then_all_blocks_free(server, 
     assert metrics["mmkit:num_requests_running"] == 0 and metrics["mmkit:num_requests_waiting"] == 0
     assert metrics["mmkit:kv_blocks_used"] == 0 and metrics["mmkit:kv_blocks_total"] > 0
     assert metrics["mmkit:time_to_first_token_seconds_count"] >= 100
+
+
+def test_structured_outputs_through_the_server(client):
+    """response_format / structured_outputs reach the engine (once structured outputs exist there)."""
+    pytest.importorskip("mmkit.structured_outputs.openai")
+    pytest.importorskip("xgrammar")
+    messages = image_message(RED, "What color is the circle?")
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4,
+                                       extra_body={"structured_outputs": {"choice": ["blue", "green"]}})
+    assert r.choices[0].message.content in ("blue", "green")
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["color"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(r.choices[0].message.content)["color"] in ("red", "blue")

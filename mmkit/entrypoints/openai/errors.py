@@ -8,7 +8,7 @@ from http import HTTPStatus
 from mmkit.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 # `messages[0].content[1]`, `stop[0]`, `top_p`: the request field an engine message names first.
-_PARAM = re.compile(r"^\s*((?:inputs|messages|prompt)\[\d+\](?:[\w.\[\]]*)|[a-z_]+(?:\[\d+\])?)\s*[:( ]")
+_PARAM = re.compile(r"^\s*((?:inputs|messages|prompt)\[\d+\](?:[\w.\[\]]*)|[a-z_]+(?:\[\d+\]|\.[a-z_]+)*)\s*[:( ]")
 
 
 class OpenAIError(Exception):

@@ -73,6 +73,10 @@ class _SamplingFields(BaseModel):
     # serving_engine.structured_outputs_from_request.
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's older names
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 # ---------------------------------------------------------------------- chat

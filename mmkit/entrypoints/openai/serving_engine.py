@@ -38,19 +38,33 @@ class ServerConfig:
 
 
 def structured_outputs_from_request(request: _SamplingFields) -> Any:
-    """`response_format` / `structured_outputs` -> the engine's structured-output parameters.
+    """`response_format` / `structured_outputs` / vLLM's `guided_*` -> the engine's
+    `StructuredOutputsParams`, or None for free text.
 
-    NOTE: the one place to replace when structured outputs land in the engine; until then
-    anything but plain text is a clear 400 instead of output that ignores the constraint.
+    NOTE: the one place that knows about structured outputs. Where the engine has no
+    structured outputs (mmkit.structured_outputs absent), any constraint is a clear 400
+    rather than output that silently ignores it.
     """
+    guided = {name: getattr(request, name) for name in _GUIDED_FIELDS if getattr(request, name) is not None}
     fmt = request.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise OpenAIError(f"response_format: got type {fmt.get('type')!r}; structured outputs are not "
-                          "supported yet by this server (only {'type': 'text'})", 400, param="response_format")
-    if request.structured_outputs:
-        raise OpenAIError("structured_outputs: structured outputs are not supported yet by this server", 400,
-                          param="structured_outputs")
-    return None
+    constrained = bool(request.structured_outputs) or bool(guided) or (
+        fmt is not None and fmt.get("type", "text") != "text")
+    try:
+        from mmkit.structured_outputs.openai import structured_outputs_from_openai
+    except ImportError:
+        if constrained:
+            param = "response_format" if fmt is not None else "structured_outputs" if \
+                request.structured_outputs else next(iter(guided))
+            raise OpenAIError(f"{param}: structured outputs are not supported yet by this server", 400,
+                              param=param) from None
+        return None
+    try:
+        return structured_outputs_from_openai(fmt, request.structured_outputs, **guided)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc) from exc
+
+
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class OpenAIServing:
@@ -73,7 +87,7 @@ class OpenAIServing:
     def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
         """The request's fields -> `SamplingParams` (whose checks give the 400 messages)."""
-        structured_outputs_from_request(request)
+        structured = structured_outputs_from_request(request)
         values: dict[str, Any] = dict(
             n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
@@ -87,6 +101,8 @@ class OpenAIServing:
             value = getattr(request, name)
             if value is not None:
                 values[name] = value
+        if structured is not None:
+            values["structured_outputs"] = structured
         try:
             return SamplingParams(**values)
         except (ValueError, TypeError) as exc:
