@@ -162,7 +162,13 @@
       return false;
     }
     const body = await response.json();
-    state.model = body.data && body.data.length ? body.data[0].id : null;
+    const card = body.data && body.data.length ? body.data[0] : null;
+    state.model = card ? card.id : null;
+    if (card && Number.isInteger(card.max_model_len)) {
+      // Prompt and answer share the context: the answer cannot be longer than all of it.
+      el.maxTokens.max = String(card.max_model_len);
+      $("max-tokens-help").textContent = "longest answer (context: " + card.max_model_len + " tokens)";
+    }
     el.modelName.textContent = state.model ? "model: " + state.model : "model unknown";
     storeKey(state.apiKey);
     closeKeyForm();
@@ -396,7 +402,8 @@
       } else {
         await readEvents(response, (chunk) => {
           if (chunk.error) {  // an error after the stream started
-            failure = { status: chunk.error.code || 500, message: chunk.error.message || JSON.stringify(chunk.error) };
+            const code = chunk.error.code;
+            failure = { status: typeof code === "number" ? code : 0, message: chunk.error.message || JSON.stringify(chunk.error) };
             return;
           }
           if (chunk.usage) s.usage = chunk.usage;
