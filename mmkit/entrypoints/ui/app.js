@@ -167,7 +167,7 @@
     if (card && Number.isInteger(card.max_model_len)) {
       // Prompt and answer share the context: the answer cannot be longer than all of it.
       el.maxTokens.max = String(card.max_model_len);
-      $("max-tokens-help").textContent = "longest answer (context: " + card.max_model_len + " tokens)";
+      $("max-tokens-help").textContent = "context: " + card.max_model_len + " tokens";
     }
     el.modelName.textContent = state.model ? "model: " + state.model : "model unknown";
     storeKey(state.apiKey);
@@ -314,12 +314,12 @@
   }
 
   // Figures after an answer: tokens, time to first token, and the decode rate (tokens after the
-  // first over the time after the first; with a single token, over the whole answer).
+  // first over the time from the first to the last one; with a single token, over the whole answer).
   function showStats(turn, s) {
     const stats = make("p", "stats");
     stats.setAttribute("data-testid", "stats");
     const ttftMs = s.firstAt === null ? null : s.firstAt - s.startAt;
-    const decodeS = s.firstAt === null ? 0 : (s.endAt - s.firstAt) / 1000;
+    const decodeS = s.firstAt === null ? 0 : ((s.lastAt || s.endAt) - s.firstAt) / 1000;
     let rate = null;
     if (s.tokens > 1 && decodeS > 0.001) rate = (s.tokens - 1) / decodeS;
     else if (s.tokens > 0 && s.endAt > s.startAt) rate = s.tokens / ((s.endAt - s.startAt) / 1000);
@@ -389,7 +389,7 @@
     }, settings);
     if (state.model) body.model = state.model;
 
-    const s = { startAt: performance.now(), firstAt: null, endAt: null, chunks: 0, tokens: 0, finish: null, usage: null };
+    const s = { startAt: performance.now(), firstAt: null, lastAt: null, endAt: null, chunks: 0, tokens: 0, finish: null, usage: null };
     let text_ = "";
     let failure = null;   // {message, status}
     const sentKey = Boolean(state.apiKey);
@@ -418,6 +418,7 @@
             if (pinned) scrollToEnd();
           }
           if (choice.finish_reason) s.finish = choice.finish_reason;
+          if (delta || choice.finish_reason) s.lastAt = performance.now();  // the last token's arrival
         });
       }
     } catch (e) {
