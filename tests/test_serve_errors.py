@@ -75,7 +75,7 @@ def media_dir(tmp_path_factory):
 def server(media_dir):
     proc = ServerProcess("--api-key", KEY, "--served-model-name", "mm", "mm-alias",
                          "--allowed-local-media-path", str(media_dir), "--allowed-media-domains", "127.0.0.1",
-                         "--limit-mm-per-prompt", '{"image": 2}',
+                         "--limit-mm-per-prompt", '{"image": 2}', "--allowed-origins", "http://app.test",
                          env={"MMKIT_MAX_IMAGE_FETCH_BYTES": str(MAX_FETCH), "MMKIT_IMAGE_FETCH_TIMEOUT": "1.5"})
     yield proc
     assert proc.stop() == 0, proc.output()[-3000:]
@@ -193,6 +193,7 @@ def test_bad_completion_input_is_a_400(server, client, case):
     body, param = COMPLETION_ERRORS[case]
     check_error(post(server, "/completions", body), 400, param)
     good_request_works(client)
+    assert wait_until_idle(server.url, AUTH)["mmkit:kv_blocks_used"] == 0  # started prompts were aborted
 
 
 def test_allowed_media_sources_work(client, media_dir, image_host):
@@ -210,6 +211,7 @@ def test_unknown_model_is_a_404(server, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     good_request_works(client)
+    assert 'mmkit:http_requests_total{status="404"}' in httpx.get(server.url + "/metrics", headers=AUTH).text
 
 
 def test_api_key(server, client):
@@ -287,3 +289,24 @@ def test_fuzz_chat_endpoint_never_answers_5xx(server, body):
         assert set(json.loads(content)["error"]) == {"message", "type", "param", "code"}
     elif response.headers["content-type"].startswith("text/event-stream"):
         assert content.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_disconnect_before_a_whole_answer_aborts_it(server, path):
+    before = scrape(server.url, AUTH)
+    body = {"model": "mm", "max_tokens": 400, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "Describe."}]} if path == "/chat/completions"
+                else {"prompt": "USER: Describe. ASSISTANT:"})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + path, json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.3))
+    after = wait_until_idle(server.url, AUTH)
+    assert after["mmkit:num_requests_running"] == 0 and after["mmkit:kv_blocks_used"] == 0
+    assert after["mmkit:generation_tokens_total"] - before["mmkit:generation_tokens_total"] < 400
+
+
+def test_cors_preflight_passes_for_allowed_origins_only(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(server.base_url + "/chat/completions", headers={"Origin": "http://app.test", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.test"
+    other = httpx.options(server.base_url + "/chat/completions", headers={"Origin": "http://evil.test", **preflight})
+    assert "access-control-allow-origin" not in other.headers

@@ -66,6 +66,7 @@ def test_colour_question_with_a_data_uri(client):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
 
 
 @pytest.mark.parametrize("index", range(3))
@@ -243,3 +244,20 @@ def test_structured_outputs_through_the_server(client):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "answer", "schema": schema}})
     assert json.loads(r.choices[0].message.content)["color"] in ("red", "blue")
+
+
+def test_tokenize_and_detokenize(server, llm):
+    messages = conversations()[1]
+    ref = reference(llm, messages, temperature=0, max_tokens=1)
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert r["tokens"] == ref.prompt_token_ids and r["count"] == len(ref.prompt_token_ids)  # images expanded
+    assert r["max_model_len"] == llm.llm_engine.config.scheduler.max_model_len
+    text = "USER: Describe the image. ASSISTANT:"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert ids == llm.get_tokenizer()(text).input_ids
+    back = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert back == llm.get_tokenizer().decode(ids)
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(server.url + "/tokenize", json={"model": MODEL})
+    assert neither.status_code == 400

@@ -1,7 +1,8 @@
 """The FastAPI app (`create_app`) and the uvicorn runner (`run_server`) behind `mmkit serve`.
 
-Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
-`GET /metrics`, and the playground page at `/` when `mmkit/entrypoints/ui/` is present.
+Routes: `GET /health`, `GET /version`, `GET /v1/models`, `POST /v1/chat/completions`,
+`POST /v1/completions`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and the
+playground page at `/` when `mmkit/entrypoints/ui/` is present.
 Every error is OpenAI's JSON body; a client's bad input is a 4xx, never a 500.
 """
 
@@ -21,13 +22,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import mmkit
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.metrics import ServerMetrics
-from mmkit.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                               TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from mmkit.entrypoints.openai.serving_engine import ServerConfig
+from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig
+from mmkit.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("mmkit.serve")
 
@@ -44,6 +49,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     metrics = ServerMetrics(engine)
     chat = OpenAIServingChat(engine, config, metrics)
     completion = OpenAIServingCompletion(engine, config, metrics)
+    tokenization = OpenAIServingTokenization(engine, config, metrics)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     _add_error_handlers(app)
 
@@ -53,6 +59,10 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
             return JSONResponse(OpenAIError("the engine loop failed", 503).body(), status_code=503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": mmkit.__version__}
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         root = engine.engine.config.model.path
@@ -60,12 +70,20 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
                                for name in config.served_model_names])
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await chat.create_chat_completion(request)
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await completion.create_completion(request)
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(request)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -79,6 +97,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
         app.mount("/", StaticFiles(directory=str(ui), html=True), name="ui")
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, ui_enabled=enable_ui)
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Added last, so it is outermost: a browser's preflight carries no key and must pass.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 
@@ -107,17 +131,20 @@ class ApiKeyMiddleware:
         path = scope.get("path", "")
         if path in _OPEN_PATHS:
             return True
-        api = path.startswith("/v1/") or path in ("/metrics", "/docs", "/openapi.json")
+        api = path.startswith("/v1/") or path in ("/metrics", "/docs", "/openapi.json", "/tokenize",
+                                                  "/detokenize", "/version")
         return self.ui_enabled and scope.get("method") in ("GET", "HEAD") and not api
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        request.app.state.metrics.count_rejected(exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        request.app.state.metrics.count_rejected(400)
         # OpenAI answers 400 (not FastAPI's 422) for a body it cannot use, bad JSON included.
         errors = exc.errors()
         first = errors[0] if errors else {}
@@ -134,6 +161,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             shown = repr(first.get("input"))[:80]
             message = f"{param or 'body'}: {first.get('msg', 'invalid')} (got {shown})"
         return JSONResponse(OpenAIError(message, 400, param=param).body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -184,6 +215,11 @@ def build_engine_args(args: Any):
     return EngineArgs(**kwargs)
 
 
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    """`a,b c` -> ("a", "b", "c"): list flags take commas, spaces or both."""
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
 def _read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
@@ -203,13 +239,13 @@ def run_server(args: Any) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    media = MediaPolicy.from_args(args.allowed_local_media_path,
-                                  ",".join(args.allowed_media_domains) if args.allowed_media_domains else None)
+    media = MediaPolicy.from_args(args.allowed_local_media_path, list(_split(args.allowed_media_domains)))
     chat_template = _read_chat_template(args.chat_template)
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
     names = tuple(args.served_model_name or [args.model or "default-model"])
     config = ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
-                          media=media, chat_template=chat_template, api_key=args.api_key or None)
+                          media=media, chat_template=chat_template, api_key=args.api_key or None,
+                          allowed_origins=_split(args.allowed_origins))
     app = create_app(engine, config, enable_ui=args.enable_ui)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="off")

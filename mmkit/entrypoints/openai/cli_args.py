@@ -42,6 +42,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="image_url may name local files (paths or file://) under DIR only (default: none)")
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="hosts http(s) image URLs may come from, comma- or space-separated (default: none)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), comma- or space-separated, '*' for any "
+                        "(default: none; vLLM allows any)")
     g.add_argument("--no-ui", dest="enable_ui", action="store_false", help="do not serve the playground at /")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")

@@ -69,9 +69,14 @@ class ServerMetrics:
         self.time_to_first_token = Histogram(
             "mmkit:time_to_first_token_seconds", "Time from a request's arrival to its first token.",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
+        # status: ok, disconnected (the client left), aborted (shutdown), error (engine), or the
+        # HTTP code of a rejected request (400, 401 is not counted: it never reaches a handler).
         self.http_requests = Counter(
             "mmkit:http_requests", "Completion requests by outcome.", ["status"], registry=self.registry)
 
     def observe_request(self, seconds: float, status: str) -> None:
         self.request_latency.observe(seconds)
         self.http_requests.labels(status=status).inc()
+
+    def count_rejected(self, status_code: int) -> None:
+        self.http_requests.labels(status=str(status_code)).inc()

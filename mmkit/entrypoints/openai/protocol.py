@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingRequestFields(BaseModel):
     """Fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -80,7 +80,7 @@ class _SamplingFields(BaseModel):
 
 
 # ---------------------------------------------------------------------- chat
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingRequestFields):
     """Body of `POST /v1/chat/completions`.
 
     `messages` stay plain dicts here: mmkit.chat validates them with messages that name the
@@ -166,7 +166,7 @@ class ChatCompletionChunk(_AlwaysSendObject):
 
 
 # ---------------------------------------------------------------------- completions
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingRequestFields):
     """Body of `POST /v1/completions`: `prompt` is a string, a list of strings, a list of
     token ids or a list of token-id lists."""
 
@@ -212,3 +212,32 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- tokenization (vLLM's)
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: a `prompt`, or chat `messages` rendered as for a chat request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

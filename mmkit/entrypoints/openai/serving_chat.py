@@ -15,7 +15,8 @@ from mmkit.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletio
                                                ChatCompletionRequest, ChatCompletionResponse,
                                                ChatCompletionStreamChoice, ChatMessage, ChatTokenLogprob,
                                                DeltaMessage, TopLogprob, now, random_id)
-from mmkit.entrypoints.openai.serving_engine import (MAX_TOP_LOGPROBS, OpenAIServing, RequestTimer,
+from mmkit.entrypoints.openai.serving_engine import (MAX_TOP_LOGPROBS, ClientDisconnected, OpenAIServing,
+                                                    RequestTimer,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
 from mmkit.errors import EngineDeadError
@@ -28,7 +29,7 @@ _ROLE_ALIASES = {"developer": "system"}
 class OpenAIServingChat(OpenAIServing):
     """Turns one chat request into one engine request (with `n` sequences)."""
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None):
         self.check_model(request.model)
         timer = RequestTimer(self.metrics)
         top_logprobs = self._logprobs_k(request)
@@ -50,15 +51,11 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._stream(request_id, request, first, stream, timer, include_usage,
                                                   top_logprobs),
                                      media_type="text/event-stream")
-        final = first
         try:
-            async for out in stream:
-                timer.on_output(out)
-                final = out
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead") from exc
-        if not final.finished:
-            raise OpenAIError("the request was aborted: the server is shutting down", 503)
+            final = await self.until_disconnect(raw_request, self.last_output(first, stream, timer))
+        except ClientDisconnected:
+            timer.finish("disconnected")
+            raise
         timer.finish("ok")
         choices = [ChatCompletionChoice(
             index=c.index, message=ChatMessage(role="assistant", content=c.text),

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, now, random_id)
-from mmkit.entrypoints.openai.serving_engine import (MAX_COMPLETION_LOGPROBS, OpenAIServing, RequestTimer,
+from mmkit.entrypoints.openai.serving_engine import (MAX_COMPLETION_LOGPROBS, ClientDisconnected, OpenAIServing,
+                                                    RequestTimer,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
 from mmkit.errors import EngineDeadError
@@ -44,7 +45,7 @@ def prompts_to_inputs(prompt: Any) -> list[dict[str, Any]]:
 class OpenAIServingCompletion(OpenAIServing):
     """Turns one completion request into one engine request per prompt."""
 
-    async def create_completion(self, request: CompletionRequest):
+    async def create_completion(self, request: CompletionRequest, raw_request: Any = None):
         self.check_model(request.model)
         timer = RequestTimer(self.metrics)
         k = request.logprobs
@@ -62,7 +63,12 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(request_id, request, started, echoes, timer, include_usage),
                                      media_type="text/event-stream")
-        finals = await asyncio.gather(*(self._last(first, stream, timer) for first, stream in started))
+        try:
+            finals = await self.until_disconnect(raw_request, asyncio.gather(
+                *(self.last_output(first, stream, timer) for first, stream in started)))
+        except ClientDisconnected:
+            timer.finish("disconnected")
+            raise
         timer.finish("ok")
         choices = []
         for i, out in enumerate(finals):
@@ -76,37 +82,24 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _start_all(self, inputs: list[dict], params: SamplingParams, request_id: str
                          ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
-        """Start one request per prompt; a bad prompt aborts the ones already started."""
-        started = []
-        try:
-            for i, item in enumerate(inputs):
-                rid = request_id if len(inputs) == 1 else f"{request_id}-{i}"
-                try:
-                    started.append(await self.start(item, params, rid))
-                except OpenAIError as exc:
-                    name = "prompt" if len(inputs) == 1 else f"prompt[{i}]"
-                    exc.message = exc.message.replace("inputs[0]", name)
-                    if exc.param and exc.param.startswith("inputs[0]"):
-                        exc.param = name
-                    raise
-        except BaseException:
-            for _, stream in started:
-                await stream.aclose()
-            raise
-        return started
-
-    async def _last(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-                    timer: RequestTimer) -> RequestOutput:
-        final = first
-        try:
-            async for out in stream:
-                timer.on_output(out)
-                final = out
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead") from exc
-        if not final.finished:
-            raise OpenAIError("the request was aborted: the server is shutting down", 503)
-        return final
+        """Start one request per prompt, all at once (validated together, prefilled together);
+        if any prompt is bad, the others are aborted and the first bad one is the 400."""
+        ids = [request_id if len(inputs) == 1 else f"{request_id}-{i}" for i in range(len(inputs))]
+        results = await asyncio.gather(*(self.start(item, params, rid) for item, rid in zip(inputs, ids)),
+                                       return_exceptions=True)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failed:
+            return results
+        for r in results:
+            if not isinstance(r, BaseException):
+                await r[1].aclose()  # leaving the stream aborts the request
+        i, exc = failed[0]
+        if isinstance(exc, OpenAIError):
+            name = "prompt" if len(inputs) == 1 else f"prompt[{i}]"
+            exc.message = exc.message.replace("inputs[0]", name)
+            if exc.param and exc.param.startswith("inputs[0]"):
+                exc.param = name
+        raise exc
 
     def _echo_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:

@@ -4,18 +4,22 @@ before any byte of a stream is sent, and the request metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.media import MediaPolicy
 from mmkit.entrypoints.openai.metrics import ServerMetrics
-from mmkit.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from mmkit.entrypoints.openai.protocol import UsageInfo, SamplingRequestFields
 from mmkit.errors import EngineDeadError
 from mmkit.outputs import CompletionOutput, RequestOutput
 from mmkit.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 #: The largest `top_logprobs` / completions `logprobs` accepted (OpenAI's limits).
 MAX_TOP_LOGPROBS = 20
@@ -31,13 +35,14 @@ class ServerConfig:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     chat_template: str | None = None
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no cross-origin browser calls
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
 
-def structured_outputs_from_request(request: _SamplingFields) -> Any:
+def structured_outputs_from_request(request: SamplingRequestFields) -> Any:
     """`response_format` / `structured_outputs` / vLLM's `guided_*` -> the engine's
     `StructuredOutputsParams`, or None for free text.
 
@@ -84,7 +89,7 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist. Served: {list(self.config.served_model_names)}",
                               404, param="model", code="model_not_found")
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    def sampling_params(self, request: SamplingRequestFields, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
         """The request's fields -> `SamplingParams` (whose checks give the 400 messages)."""
         structured = structured_outputs_from_request(request)
@@ -127,10 +132,62 @@ class OpenAIServing:
         return first, stream
 
     @staticmethod
+    async def last_output(first: RequestOutput, stream: AsyncIterator[RequestOutput],
+                          timer: RequestTimer) -> RequestOutput:
+        """Run one request to its end; its final output."""
+        final = first
+        try:
+            async for out in stream:
+                timer.on_output(out)
+                final = out
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead") from exc
+        if not final.finished:
+            raise OpenAIError("the request was aborted: the server is shutting down", 503)
+        return final
+
+    @staticmethod
+    async def until_disconnect(raw_request: Any, coro: Awaitable[T]) -> T:
+        """Await `coro` (a whole, non-streamed answer); if the client hangs up first, cancel it,
+        which leaves the engine streams and so aborts the requests (streams are watched by
+        Starlette itself)."""
+        if raw_request is None:  # called from Python, not through the app
+            return await coro
+        work = asyncio.ensure_future(coro)
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not work.done():
+            if not watcher.cancelled() and watcher.exception() is not None:
+                return await work  # the watcher failed, not the client: keep waiting
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            raise ClientDisconnected()
+        return work.result()
+
+    @staticmethod
     def usage(outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its non-streamed answer was ready."""
+
+
+async def _wait_for_disconnect(raw_request: Any) -> None:
+    # NOTE: the body has been read already, so the next ASGI message is the disconnect.
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 class RequestTimer:
