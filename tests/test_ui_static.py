@@ -15,11 +15,6 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    tomllib = pytest.importorskip("tomli")
-
 from fastapi.testclient import TestClient  # noqa: E402
 
 from mmkit import AsyncLLMEngine, EngineArgs  # noqa: E402
@@ -86,6 +81,7 @@ def test_the_page_uses_no_other_host():
 
 
 def test_the_page_ships_as_package_data():
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["mmkit.entrypoints"]
     shipped = {p.name for pattern in patterns for p in (REPO / "mmkit" / "entrypoints").glob(pattern)}
