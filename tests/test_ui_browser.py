@@ -10,7 +10,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import struct
 import time
+import zlib
 
 import pytest
 
@@ -267,6 +269,18 @@ def test_drop_and_paste_attach_an_image_and_escape_stops(server, page):
     assert int(page.get_by_test_id("stats").nth(1).get_attribute("data-tokens")) < 400
 
 
+def _huge_png(width: int = 12_000, height: int = 8_000) -> bytes:
+    """A valid ~90 KB grey PNG of 96 M pixels: more than any image the server accepts."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    deflate = zlib.compressobj(9)
+    row = b"\x00" + b"\x80" * width  # filter byte, then the pixels
+    idat = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
 def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(server, page):
     page.goto(server.url + "/")
     wait_connected(page)
@@ -294,6 +308,17 @@ def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(s
     assert "red" in ask(page, QUESTION, RED_CIRCLE)
     assert error.is_hidden()
     assert len(page.chat_requests[-1]["messages"]) == 1  # the failed turn is not part of the chat
+
+    # A too-large image in a follow-up: the server's message again, and the chat goes on.
+    page.get_by_test_id("image-input").set_input_files(
+        files=[{"name": "huge.png", "mimeType": "image/png", "buffer": _huge_png()}])
+    page.get_by_test_id("prompt").fill("And this one?")
+    page.get_by_test_id("send").click()
+    error.wait_for(state="visible")
+    assert "pixels" in error.text_content() and "400" in error.text_content()
+    page.get_by_test_id("remove-image").click()
+    assert "red circle" in ask(page, "Describe the image.")
+    assert len(page.chat_requests[-1]["messages"]) == 3
 
 
 def test_api_key_is_asked_once_and_a_wrong_key_gets_a_clear_401(browser, page):
