@@ -22,7 +22,7 @@ from mmkit.entrypoints.openai.api_server import UI_DIR, create_app  # noqa: E402
 from mmkit.entrypoints.openai.serving_engine import ServerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-UI_FILES = ("index.html", "app.js", "style.css")
+UI_FILES = ("index.html", "app.js", "api.js", "attachment.js", "style.css")
 TEST_IDS = ("image-input", "prompt", "send", "stop", "new-chat", "temperature", "max-tokens", "api-key", "error")
 
 
@@ -45,9 +45,11 @@ def test_page_and_assets_are_served_with_their_types(engine):
     for testid in TEST_IDS:
         assert f'data-testid="{testid}"' in page.text, testid
     # The script builds one `assistant-message` and one `stats` element per answer.
-    script = client.get("/app.js")
-    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
-    assert '"assistant-message"' in script.text and '"stats"' in script.text
+    for name in ("app.js", "api.js", "attachment.js"):  # ES modules: a JavaScript type is required
+        script = client.get(f"/{name}")
+        assert script.status_code == 200 and "javascript" in script.headers["content-type"], name
+    script = client.get("/app.js").text
+    assert '"assistant-message"' in script and '"stats"' in script
     style = client.get("/style.css")
     assert style.status_code == 200 and style.headers["content-type"].startswith("text/css")
     assert client.get("/missing.js").status_code == 404
@@ -55,7 +57,7 @@ def test_page_and_assets_are_served_with_their_types(engine):
 
 def test_no_ui_turns_the_page_off(engine):
     client = _client(engine, enable_ui=False)
-    for path in ("/", "/app.js", "/style.css"):
+    for path in ("/", *(f"/{name}" for name in UI_FILES[1:])):
         response = client.get(path)
         assert response.status_code == 404, path
         assert "error" in response.json()
@@ -64,7 +66,7 @@ def test_no_ui_turns_the_page_off(engine):
 
 def test_with_an_api_key_the_page_loads_and_the_api_answers_401(engine):
     client = _client(engine, api_key="k-123")
-    for path in ("/", "/app.js", "/style.css"):
+    for path in ("/", *(f"/{name}" for name in UI_FILES[1:])):
         assert client.get(path).status_code == 200, path
     # The page learns that a key is needed from this 401 (app.js: connect()).
     assert client.get("/v1/models").status_code == 401
