@@ -244,6 +244,9 @@ async function ask(event) {
   if (!text && !attachment.current()) { el.prompt.focus(); return; }
   let settings;
   try { settings = readSettings(); } catch (e) { showError(e.message); return; }
+  // Not connected yet (the server was starting, or a key is still missing): try again now.
+  if (!state.model && !(await connect())) return;
+  if (state.controller) return;  // a second Enter while connecting
   clearError();
 
   const image = attachment.current();
