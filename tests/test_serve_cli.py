@@ -65,13 +65,31 @@ def test_sigterm_aborts_in_flight_requests_and_exits_0():
     assert finished_whole < 4  # the signal aborted requests; it did not wait for them all
 
 
-def test_sigint_exits_0_and_the_api_key_comes_from_the_environment():
-    server = ServerProcess(env={"MMKIT_API_KEY": "from-env"})
+def test_sigint_exits_0_api_key_from_the_environment_generation_config_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3}')
+    template = (REPO / "assets" / "default-model" / "chat_template.jinja").read_text()
+    (tmp_path / "template.jinja").write_text("PREFIX " + template)
+    server = ServerProcess("--generation-config", str(tmp_path), "--chat-template", str(tmp_path / "template.jinja"),
+                           env={"MMKIT_API_KEY": "from-env"})
+    key = {"Authorization": "Bearer from-env"}
     try:
         assert httpx.get(server.base_url + "/models").status_code == 401
-        ok = httpx.get(server.base_url + "/models", headers={"Authorization": "Bearer from-env"})
+        ok = httpx.get(server.base_url + "/models", headers=key)
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "default-model"
         assert httpx.get(server.url + "/health").status_code == 200
+        # Unset fields take the generation config's values: greedy (n=4 identical), 3 tokens.
+        body = {"prompt": "USER: Describe", "ignore_eos": True, "n": 4, "seed": 1, "max_tokens": None}
+        greedy = httpx.post(server.base_url + "/completions", json=body, headers=key).json()
+        assert greedy["usage"]["completion_tokens"] == 4 * 3
+        assert len({c["text"] for c in greedy["choices"]}) == 1
+        sampled = httpx.post(server.base_url + "/completions", json={**body, "temperature": 1.0},
+                             headers=key).json()
+        assert len({c["text"] for c in sampled["choices"]}) > 1  # a set temperature wins
+        # --chat-template FILE replaces the checkpoint's template.
+        ids = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                         headers=key).json()["tokens"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=key).json()["prompt"]
+        assert text.replace("<s>", "").strip().startswith("PREFIX USER: hi")
     finally:
         t0 = time.monotonic()
         code = server.stop(signal.SIGINT)
@@ -90,6 +108,8 @@ def test_bad_flags_are_clear_errors():
     assert result.returncode == 2 and "--limit-mm-per-prompt" in result.stderr and "JSON" in result.stderr
     result = _run("serve", "--allowed-local-media-path", str(REPO / "no-such-folder"))
     assert result.returncode == 2 and "--allowed-local-media-path" in result.stderr
+    result = _run("serve", "--generation-config", str(REPO / "no-such-folder"))
+    assert result.returncode == 2 and "--generation-config" in result.stderr
     help_text = _run("serve", "--help").stdout
     for flag in ("--model", "--host", "--port", "--served-model-name", "--api-key", "--dtype", "--device",
                  "--max-model-len", "--max-num-seqs", "--limit-mm-per-prompt", "--allowed-local-media-path",

@@ -16,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmkit.scenes import draw_shape
-from serve_utils import RED_CIRCLE, ServerProcess, data_uri, image_message, scrape, sse_events, wait_until_idle
+from serve_utils import RED_CIRCLE, ServerProcess, data_uri, image_message, scrape, wait_until_idle
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -310,3 +309,24 @@ def test_cors_preflight_passes_for_allowed_origins_only(server):
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.test"
     other = httpx.options(server.base_url + "/chat/completions", headers={"Origin": "http://evil.test", **preflight})
     assert "access-control-allow-origin" not in other.headers
+
+
+_PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.text(max_size=10), max_size=3),
+                     st.lists(st.integers(-5, 500), max_size=6), st.lists(st.lists(st.integers(-1, 450), max_size=4),
+                                                                         max_size=3), _SCALARS)
+_COMPLETION_BODIES = st.fixed_dictionaries(
+    {"prompt": _PROMPTS, "max_tokens": st.one_of(st.integers(-1, 4), _SCALARS)},
+    optional={"model": st.sampled_from(["mm", "x"]), "n": st.one_of(st.integers(0, 3), _SCALARS),
+              "logprobs": st.one_of(st.integers(-1, 7), _SCALARS), "echo": _SCALARS, "stream": st.booleans(),
+              "temperature": _SCALARS, "stop": _SCALARS, "seed": _SCALARS, "ignore_eos": _SCALARS})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_COMPLETION_BODIES)
+def test_fuzz_completions_endpoint_never_answers_5xx(server, body):
+    with httpx.stream("POST", server.base_url + "/completions", content=json.dumps(body, allow_nan=True),
+                      timeout=60, headers={"content-type": "application/json", **AUTH}) as response:
+        content = response.read()
+    assert response.status_code < 500, content
+    if response.status_code >= 400:
+        assert set(json.loads(content)["error"]) == {"message", "type", "param", "code"}

@@ -22,7 +22,8 @@ RED = data_uri(RED_CIRCLE)
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess()
+    # A small KV cache (96 blocks of 16 tokens): the 100 concurrent requests queue and get preempted.
+    proc = ServerProcess("--num-gpu-blocks-override", "96")
     yield proc
     assert proc.stop() == 0, proc.output()[-3000:]
 
@@ -227,7 +228,9 @@ def test_100_concurrent_streams_equal_greedy_alone_then_all_blocks_free(server, 
     metrics = wait_until_idle(server.url)
     assert metrics["mmkit:num_requests_running"] == 0 and metrics["mmkit:num_requests_waiting"] == 0
     assert metrics["mmkit:kv_blocks_used"] == 0 and metrics["mmkit:kv_blocks_total"] > 0
+    assert metrics["mmkit:kv_blocks_total"] == 96
     assert metrics["mmkit:time_to_first_token_seconds_count"] >= 100
+    print(f"preemptions so far: {metrics['mmkit:num_preemptions_total']:.0f}")
 
 
 def test_structured_outputs_through_the_server(client):

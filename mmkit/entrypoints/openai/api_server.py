@@ -31,7 +31,7 @@ from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
                                                TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig
+from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig, default_sampling_from
 from mmkit.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("mmkit.serve")
@@ -208,8 +208,12 @@ class _Server(uvicorn.Server):
 def build_engine_args(args: Any):
     from mmkit.config import EngineArgs
 
-    kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-                                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    kwargs: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer)
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return EngineArgs(**kwargs)
@@ -241,11 +245,20 @@ def run_server(args: Any) -> int:
         torch.set_num_threads(args.threads)
     media = MediaPolicy.from_args(args.allowed_local_media_path, list(_split(args.allowed_media_domains)))
     chat_template = _read_chat_template(args.chat_template)
+    if args.generation_config not in ("auto", "vllm") and \
+            not (Path(args.generation_config) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config: {args.generation_config!r} holds no generation_config.json; "
+                         "expected 'auto', 'vllm' or such a folder")
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
     names = tuple(args.served_model_name or [args.model or "default-model"])
+    source = {"auto": engine.engine.config.model.path, "vllm": None}.get(args.generation_config,
+                                                                        args.generation_config)
+    default_sampling = default_sampling_from(source)
+    if default_sampling:
+        print(f"mmkit serve: sampling defaults from the generation config: {default_sampling}", flush=True)
     config = ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
                           media=media, chat_template=chat_template, api_key=args.api_key or None,
-                          allowed_origins=_split(args.allowed_origins))
+                          allowed_origins=_split(args.allowed_origins), default_sampling=default_sampling)
     app = create_app(engine, config, enable_ui=args.enable_ui)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="off")

@@ -29,8 +29,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
     g.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
                    help='most items per prompt, e.g. \'{"image": 4}\' (default: the engine\'s, 8 images)')
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of free GPU memory for the KV cache (CUDA; default 0.9)")
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV cache size in bytes")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="exact number of KV cache blocks (CPU or GPU)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of shared prompt prefixes (default on)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
                                                          "(default: the checkpoint's)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves unset: 'auto' = the checkpoint's "
+                        "generation_config.json, 'vllm' = none (temperature 1, ...), or a folder holding one")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = parser.add_argument_group("server")

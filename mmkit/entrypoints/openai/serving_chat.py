@@ -16,10 +16,9 @@ from mmkit.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletio
                                                ChatCompletionStreamChoice, ChatMessage, ChatTokenLogprob,
                                                DeltaMessage, TopLogprob, now, random_id)
 from mmkit.entrypoints.openai.serving_engine import (MAX_TOP_LOGPROBS, ClientDisconnected, OpenAIServing,
-                                                    RequestTimer,
+                                                    RequestTimer, request_error,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
-from mmkit.errors import EngineDeadError
 from mmkit.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 # Roles OpenAI clients send that the chat templates know under another name.
@@ -172,13 +171,13 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                               usage=self.usage([out])))
             yield sse_done()
-        except EngineDeadError as exc:
-            status = "error"
-            yield sse_error(OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead"))
-            yield sse_done()
         except asyncio.CancelledError:
             status = "disconnected"  # the client went away; leaving `stream` aborts the request
             raise
+        except Exception as exc:  # noqa: BLE001 - the stream says why it ends, then ends properly
+            status = "error"
+            yield sse_error(request_error(exc))
+            yield sse_done()
         finally:
             timer.finish(status)
             await stream.aclose()

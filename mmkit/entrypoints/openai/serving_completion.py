@@ -12,10 +12,9 @@ from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, now, random_id)
 from mmkit.entrypoints.openai.serving_engine import (MAX_COMPLETION_LOGPROBS, ClientDisconnected, OpenAIServing,
-                                                    RequestTimer,
+                                                    RequestTimer, request_error,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
-from mmkit.errors import EngineDeadError
 from mmkit.outputs import CompletionOutput, RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -136,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 await queue.put((i, first))
                 async for out in stream:
                     await queue.put((i, out))
-            except EngineDeadError as exc:
+            except Exception as exc:  # noqa: BLE001 - reported in the stream
                 await queue.put((i, exc))
             finally:
                 await queue.put((i, _END))
@@ -150,12 +149,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 i, item = await queue.get()
                 if item is _END:
                     remaining -= 1
-                    if i not in latest or not latest[i].finished:
+                    if status == "ok" and (i not in latest or not latest[i].finished):
                         status = "aborted"
                     continue
-                if isinstance(item, EngineDeadError):
+                if isinstance(item, BaseException):
+                    if status != "error":  # one error event per stream
+                        yield sse_error(request_error(item))
                     status = "error"
-                    yield sse_error(OpenAIError(f"the engine stopped: {item}", 503, code="engine_dead"))
                     continue
                 latest[i] = item
                 timer.on_output(item)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 
 from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
@@ -20,6 +21,7 @@ from mmkit.outputs import CompletionOutput, RequestOutput
 from mmkit.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("mmkit.serve")
 
 #: The largest `top_logprobs` / completions `logprobs` accepted (OpenAI's limits).
 MAX_TOP_LOGPROBS = 20
@@ -36,6 +38,9 @@ class ServerConfig:
     chat_template: str | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no cross-origin browser calls
+    # Sampling defaults for fields a request leaves unset (the checkpoint's generation_config.json,
+    # as `vllm serve --generation-config auto` does), e.g. {"temperature": 0.7}.
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -70,6 +75,22 @@ def structured_outputs_from_request(request: SamplingRequestFields) -> Any:
 
 
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_from(folder: str | None) -> dict[str, Any]:
+    """The sampling fields a checkpoint's generation_config.json sets explicitly, in
+    `SamplingParams` names ({} when there is none or `folder` is None)."""
+    if folder is None:
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+    except OSError:  # no generation_config.json
+        return {}
+    return {ours: diff[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if diff.get(theirs) is not None}
 
 
 class OpenAIServing:
@@ -101,11 +122,15 @@ class OpenAIServing:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
         )
-        # Unset fields keep SamplingParams' defaults (vLLM's): temperature 1, top_p 1, ...
+        # Unset fields: the checkpoint's generation config, else SamplingParams' (vLLM's) defaults.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(request, name)
+            if value is None:
+                value = self.config.default_sampling.get(name)
             if value is not None:
                 values[name] = value
+        if max_tokens is None and "max_tokens" in self.config.default_sampling:
+            values["max_tokens"] = self.config.default_sampling["max_tokens"]
         if structured is not None:
             values["structured_outputs"] = structured
         try:
@@ -123,12 +148,10 @@ class OpenAIServing:
         stream = self.engine.generate(inputs, params, request_id)
         try:
             first = await stream.__anext__()
-        except (ValueError, TypeError) as exc:
-            raise bad_request(exc) from exc
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead") from exc
         except StopAsyncIteration as exc:  # aborted (shutdown) before the first output
             raise OpenAIError("the request was aborted: the server is shutting down", 503) from exc
+        except Exception as exc:  # noqa: BLE001 - each kind has its status in request_error
+            raise request_error(exc) from exc
         return first, stream
 
     @staticmethod
@@ -140,8 +163,8 @@ class OpenAIServing:
             async for out in stream:
                 timer.on_output(out)
                 final = out
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine stopped: {exc}", 503, code="engine_dead") from exc
+        except Exception as exc:  # noqa: BLE001 - each kind has its status in request_error
+            raise request_error(exc) from exc
         if not final.finished:
             raise OpenAIError("the request was aborted: the server is shutting down", 503)
         return final
@@ -176,6 +199,20 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def request_error(exc: BaseException) -> OpenAIError:
+    """What a request's failure tells the client: bad input is a 400, a stopped engine a 503,
+    anything else (the model failed on this request) a 500 that names the error."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(exc)
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
+    logger.error("request failed: %r", exc)
+    return OpenAIError(f"the request failed in the engine: {type(exc).__name__}: {exc}", 500,
+                       code="request_failed")
 
 
 class ClientDisconnected(Exception):
