@@ -132,6 +132,12 @@ def test_page_is_self_contained_labelled_and_fits_a_narrow_window(server, page):
 def test_red_circle_streams_the_api_greedy_answer_and_keeps_the_image(server, page):
     page.goto(server.url + "/")
     wait_connected(page)
+    # A setting the API would refuse is caught on the page, before any request.
+    page.get_by_test_id("temperature").fill("-1")
+    page.get_by_test_id("prompt").fill(QUESTION)
+    page.get_by_test_id("send").click()
+    assert "Temperature must be" in page.get_by_test_id("error").text_content()
+    assert page.chat_requests == []
     page.get_by_test_id("temperature").fill("0")
     page.get_by_test_id("max-tokens").fill("32")
     answer = ask(page, QUESTION, RED_CIRCLE, press_enter=True)
