@@ -4,13 +4,11 @@ offline and cached under benchmarks/.cache/."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "tests"))
+from mmkit.testing import SPECIAL_TOKENS, build_tiny_llava
 
-from tiny_llava import SPECIAL_TOKENS, build_tiny_llava  # noqa: E402
+ROOT = Path(__file__).resolve().parent
 
 
 def build_full_vocab_tokenizer(vocab_size: int):

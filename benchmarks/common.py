@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-NUM_SPECIAL_TOKENS = 5  # <unk> <s> </s> <pad> <image> (tests/tiny_llava.py)
+NUM_SPECIAL_TOKENS = 5  # <unk> <s> </s> <pad> <image> (mmkit/testing.py)
 BOS_ID, IMAGE_ID = 1, 4
 
 

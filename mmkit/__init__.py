@@ -25,6 +25,7 @@ _EXPORTS = {
     "LLMEngine": "mmkit.engine.llm_engine",
     "AsyncLLMEngine": "mmkit.engine.async_engine",
     "EngineDeadError": "mmkit.errors",
+    "RequestFailedError": "mmkit.errors",
 }
 __all__ = list(_EXPORTS)
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmkit.config import EngineArgs
     from mmkit.engine.async_engine import AsyncLLMEngine
     from mmkit.engine.llm_engine import LLMEngine
-    from mmkit.errors import EngineDeadError
+    from mmkit.errors import EngineDeadError, RequestFailedError
     from mmkit.inputs import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
     from mmkit.llm import LLM
     from mmkit.outputs import CompletionOutput, Logprob, RequestOutput

@@ -18,3 +18,22 @@ class RequestError(RuntimeError):
     def __init__(self, request_ids: list[str], message: str) -> None:
         super().__init__(message)
         self.request_ids = list(request_ids)
+
+
+class RequestFailedError(RuntimeError):
+    """Some prompts of one `LLM.generate` (or `LLM.chat`) call failed after they were admitted
+    (say, an image that cannot be decoded); every other prompt ran to completion.
+
+    `outputs`: the call's `RequestOutput`s in input order, `None` for each failed prompt
+    (nothing computed is lost). `failed`: input index -> the exception of that prompt.
+    `request_ids`: input index -> request id of each failed prompt. `__cause__` is the
+    first failure."""
+
+    def __init__(self, outputs: list, failed: dict[int, BaseException], request_ids: dict[int, str]) -> None:
+        self.outputs = list(outputs)
+        self.failed = dict(failed)
+        self.request_ids = dict(request_ids)
+        parts = [f"inputs[{i}] (request {request_ids[i]!r}): {type(e).__name__}: {e}" for i, e in sorted(failed.items())]
+        super().__init__(
+            f"{len(failed)} of {len(outputs)} prompts failed: " + "; ".join(parts)
+            + ". The other prompts completed: their outputs are in this error's .outputs (None for each failed prompt)")

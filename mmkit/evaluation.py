@@ -205,7 +205,6 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     """
     from tqdm.auto import tqdm
 
-    from mmkit.errors import RequestError
     from mmkit.inputs import parse_prompt
 
     if retry_errors:
@@ -233,21 +232,17 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
                     results.write(make_record(item, None, str(exc)))
                     bar.update(1)
                     continue
-                engine.add_processed(rid, processed, sp)
+                engine.add_processed(rid, processed, sp, final_only=True)
                 in_flight[rid] = item
             if not in_flight:
                 continue
-            try:
-                outputs = engine.step()
-            except RequestError as exc:
-                engine.abort_request(exc.request_ids)
-                for rid in exc.request_ids:
-                    item = in_flight.pop(rid, None)
-                    if item is not None:
-                        results.write(make_record(item, None, str(exc.__cause__ or exc)))
-                        bar.update(1)
-                continue
-            for out in outputs:
+            step = engine.step_result()  # the engine's one step driver and failure policy
+            for rid, exc in step.errors.items():
+                item = in_flight.pop(rid, None)
+                if item is not None:
+                    results.write(make_record(item, None, str(exc)))
+                    bar.update(1)
+            for out in step.outputs:
                 if out.finished and out.request_id in in_flight:
                     item = in_flight.pop(out.request_id)
                     results.write(make_record(item, out.outputs[0].text.strip(), None))

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from mmkit.chat import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
-from mmkit.errors import RequestError
+from mmkit.errors import RequestFailedError
 from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
 from mmkit.outputs import RequestOutput
@@ -55,6 +55,10 @@ class LLM:
         `sampling_params`: one `SamplingParams` for all, or a list of the same length.
         The legacy keywords `prompts=`/`prompt=`, `prompt_token_ids=` and `multi_modal_data=`
         still work and emit a DeprecationWarning.
+
+        If some prompts fail after admission (an image that cannot be decoded), the others
+        still complete and `mmkit.RequestFailedError` is raised: its `.outputs` holds every
+        output in input order (None for the failed prompts) and `.failed` the errors by index.
         """
         if prompts is not None and prompt is not None:
             raise ValueError("LLM.generate: got both prompts= and prompt=; pass `inputs`")
@@ -115,29 +119,40 @@ class LLM:
         ids = [str(next(self._request_counter)) for _ in parsed]
         ready = [engine.process_request(rid, p, sp) for rid, p, sp in zip(ids, parsed, params_list)]
         results: dict[str, RequestOutput] = {}
+        errors: dict[str, BaseException] = {}
         added: list[str] = []
         try:
             for rid, (processed, params) in zip(ids, ready):
-                engine.add_processed(rid, processed, params)
+                engine.add_processed(rid, processed, params, final_only=True)
                 added.append(rid)
-            self._drive(set(ids), results, use_tqdm)
-        except RequestError as exc:
-            engine.abort_request(added)
-            raise (exc.__cause__ or exc)
+            self._drive(set(ids), results, errors, use_tqdm)
         except BaseException:
             # Includes KeyboardInterrupt: the engine must not keep half a batch.
             engine.abort_request(added)
             raise
+        if errors:
+            index = {rid: i for i, rid in enumerate(ids)}
+            failed = {index[rid]: exc for rid, exc in errors.items()}
+            error = RequestFailedError([results.get(rid) for rid in ids], failed,
+                                       {index[rid]: rid for rid in errors})
+            raise error from failed[min(failed)]
         return [results[rid] for rid in ids]
 
-    def _drive(self, pending: set[str], results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+    def _drive(self, pending: set[str], results: dict[str, RequestOutput], errors: dict[str, BaseException],
+               use_tqdm: bool) -> None:
         engine = self.llm_engine
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         num_in = num_out = 0
         try:
             while pending:
-                for out in engine.step():
+                step = engine.step_result()
+                for rid, exc in step.errors.items():
+                    if rid in pending:
+                        pending.discard(rid)
+                        errors[rid] = exc
+                        bar.update(1)
+                for out in step.outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoids 20-100x spin slowdowns
+# The bounds-checking build of the C kernels: a bad block id or slot raises IndexError
+# instead of reading or writing outside the KV cache (mmkit/layers/cpu_kernels.py).
+os.environ.setdefault("MMKIT_KERNEL_CHECKS", "1")
 
 import sys
 from functools import lru_cache
@@ -18,7 +21,7 @@ from PIL import Image
 torch.set_num_threads(int(os.environ.get("MMKIT_TEST_THREADS", "2")))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_llava import build_tiny_llava, rewrite_hub_layout  # noqa: E402
+from mmkit.testing import build_tiny_llava, rewrite_hub_layout  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA GPU"))]

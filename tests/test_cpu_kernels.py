@@ -152,6 +152,7 @@ def test_disabled_kernels_fall_back_to_torch(tiny_ckpt):
 
 
 def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("MMKIT_REQUIRE_CPU_KERNELS", raising=False)
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("MMKIT_CACHE_DIR", str(tmp_path))
     saved = dict(cpu_kernels._state)

@@ -40,20 +40,30 @@ def test_model_id_from_the_local_hf_cache(tiny_ckpt, tmp_path, monkeypatch):
     assert out[0].outputs[0].token_ids == hf_greedy(tiny_ckpt, prompt="Hello", max_new_tokens=6)
 
 
-def test_generated_image_token_is_ordinary_also_after_preemption(tiny_ckpt):
+def test_generated_image_token_is_ordinary_also_after_preemption(tiny_ckpt, monkeypatch):
     llm = LLM(str(tiny_ckpt), dtype="float32")
     engine = llm.llm_engine
     image_id = engine.config.model.image_token_id
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # Make the model "sample" the image token id as its third token, then force a preemption:
+    # the recompute must embed it as a token (no image, no placeholder range), never as an image slot.
+    sampler = engine.model_runner.sampler
+    calls = {"n": 0}
+
+    def third_is_image_token(logits, rows):
+        out = type(sampler).__call__(sampler, logits, rows)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            out.token_ids[0] = image_id
+        return out
+
+    monkeypatch.setattr(engine.model_runner, "sampler", third_is_image_token)
     engine.add_request("r", "A prompt without any image", params)
-    engine.step()
-    engine.step()
+    for _ in range(3):
+        engine.step()
     group = engine.groups["r"]
     seq = group.seqs[0]
-    # Pretend the model sampled the image token id, then force a preemption: the recompute
-    # must embed it as a token (no image, no placeholder range), never as an image slot.
-    seq.token_ids.append(image_id)
-    seq.read_offset = seq.prefix_offset = 0
+    assert seq.token_ids[-1] == image_id
     engine.scheduler._preempt(seq, type("Out", (), {"num_preempted": 0})())
     outputs = []
     while engine.has_unfinished_requests():

@@ -1,9 +1,10 @@
 """Stateful property tests of the Scheduler and BlockManager, without a model.
 
 Hypothesis drives random sequences of add / step / abort / finish on a small cache (so
-preemption by recompute happens often); a step is simulated the way LLMEngine.step does it:
-schedule, mark the scheduled tokens computed, append one sampled token to every sequence whose
-chunk reached its end (forking the pending samples of n > 1 requests), apply stop conditions.
+preemption by recompute happens often); a step is driven the way LLMEngine.step does it:
+schedule, then the scheduler's own `update_from_output` with one sampled token for every
+sequence whose chunk reached its end (n rows for a prompt whose n - 1 samples fork: the
+scheduler forks them itself), then stop conditions.
 After every rule the block accounting must be exact, and after draining every request must
 have ended finished or aborted with every block free. Runs with and without prefix caching
 (when the BlockManager supports it); nothing here depends on attributes beyond
@@ -77,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seqs[0].num_pending_forks = n - 1
         self.groups[rid] = group
         self.all_groups[rid] = group
-        self.sched.add_group(group)
+        self.sched.add_request(group)
 
     @rule()
     def step(self):
@@ -88,7 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.groups)))
         group = self.groups.pop(rid)
-        self.sched.abort_group(group)  # what LLMEngine.abort_request does
+        assert self.sched.abort_request(rid) is group  # what LLMEngine.abort_request does
         self.aborted.add(rid)
         assert all(s.is_finished and s.block_table == [] for s in group.seqs)
 
@@ -103,15 +104,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the simulated step
     def _step(self) -> bool:
+        preempted_before = self.sched.num_preemptions
         out = self.sched.schedule()
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        by_id = {s.seq_id: s for g in self.all_groups.values() for s in g.seqs}
+        scheduled = [(by_id[seq_id], n) for seq_id, n in out.num_scheduled_tokens.items()]
         written: set[int] = set()
         bs = self.bm.block_size
-        for s in out.scheduled:
-            seq = s.seq
-            assert s.num_new_tokens > 0 and not seq.is_finished and seq.status is SequenceStatus.RUNNING
-            assert len(seq.block_table) >= blocks_needed(s.end, bs)
-            blocks = seq.block_table[s.start // bs: (s.end - 1) // bs + 1]
+        for seq, num_new in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            assert num_new > 0 and not seq.is_finished and seq.status is SequenceStatus.RUNNING
+            assert len(seq.block_table) >= blocks_needed(end, bs)
+            blocks = seq.block_table[start // bs: (end - 1) // bs + 1]
             for block_id in blocks:
                 assert block_id not in written, f"block {block_id} written by two sequences"
                 written.add(block_id)
@@ -121,47 +125,37 @@ class SchedulerMachine(RuleBasedStateMachine):
                 for other in holders:
                     index = other.block_table.index(block_id)
                     assert (index + 1) * bs <= other.num_computed_tokens or any(
-                        x.seq is other for x in out.scheduled if x.start >= (index + 1) * bs), \
+                        x is other and x.num_computed_tokens >= (index + 1) * bs for x, _ in scheduled), \
                         f"{seq} writes block {block_id} that {other} may also write"
                 if self.bm.ref_counts[block_id] != 1:
                     assert holders and getattr(self.bm, "enable_prefix_caching", False), \
                         (seq, block_id, self.bm.ref_counts[block_id])
-        for seq in out.out_of_cache:
+        out_of_cache = self.sched.take_finished_while_scheduling()
+        for seq in out_of_cache:
             assert seq.is_finished and seq.block_table == []
             self._retire(seq.group)
-        for s in out.scheduled:
-            s.seq.num_computed_tokens = s.end
-        for s in out.scheduled:
-            if s.seq.is_finished or s.seq.num_computed_tokens != s.seq.num_tokens:
-                continue
-            targets = [s.seq] + self._fork(s.seq)
-            for target in targets:
-                target.token_ids.append(next(self.next_token))
-                params = target.group.params
-                if target.num_output_tokens >= params.max_tokens or target.num_tokens >= self.max_model_len:
-                    self.sched.finish_seq(target, SequenceStatus.FINISHED_LENGTH)
-            self._retire(s.seq.group)
+        # The runner's part: one row per sampled sequence, n rows for a prompt that forks.
+        sampled = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        counts = [1 + seq.num_pending_forks for seq in sampled]
+        tokens = [next(self.next_token) for _ in range(sum(counts))]
+        update = self.sched.update_from_output(out, [s.seq_id for s in sampled], counts, tokens)
+        assert [row for _, row in update.samples] == list(range(len(tokens)))
+        for target, _row in update.samples:
+            params = target.group.params
+            if target.num_output_tokens >= params.max_tokens or target.num_tokens >= self.max_model_len:
+                self.sched.finish_seq(target, SequenceStatus.FINISHED_LENGTH)
+        for seq in sampled:
+            self._retire(seq.group)
         # A step that only preempts (or only ends out-of-cache sequences) still makes progress.
-        return bool(out.scheduled or out.num_preempted or out.out_of_cache)
+        return bool(scheduled or self.sched.num_preemptions > preempted_before or out_of_cache)
 
     def _live_seqs(self) -> list[Sequence]:
         return [s for g in self.groups.values() for s in g.seqs if not s.is_finished]
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        group = parent.group
-        children, group.pending_forks = group.pending_forks, []
-        parent.num_pending_forks = 0
-        for child in children:
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.bm.fork(parent, child)
-            group.seqs.append(child)
-            self.sched.add_running(child)
-        return children
-
     def _retire(self, group: SequenceGroup) -> None:
         if group.is_finished and self.groups.get(group.request_id) is group:
             del self.groups[group.request_id]
+            assert self.sched.remove_if_finished(group)
 
     # ------------------------------------------------------------------ invariants
     @invariant()

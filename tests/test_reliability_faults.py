@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from conftest import get_llm, make_image
-from mmkit import LLM, AsyncLLMEngine, EngineArgs, EngineDeadError, SamplingParams
+from mmkit import LLM, AsyncLLMEngine, EngineArgs, EngineDeadError, RequestFailedError, SamplingParams
 from mmkit.engine import detokenizer
 
 PROMPT = "USER: <image>\nDescribe the image in detail. ASSISTANT:"
@@ -217,7 +217,8 @@ def test_model_error_at_any_step_leaves_engine_clean(tiny_ckpt, monkeypatch, fai
 
 
 def test_image_processing_error_in_generate(tiny_ckpt, monkeypatch):
-    """A failure while preparing one request's pixels: generate raises the original error."""
+    """A failure while preparing one request's pixels ends that request alone: generate
+    raises one RequestFailedError carrying the other prompts' normal outputs."""
     llm = LLM(str(tiny_ckpt), dtype="float32")
     processor = llm.llm_engine.input_processor
     original = processor.pixel_values
@@ -229,8 +230,12 @@ def test_image_processing_error_in_generate(tiny_ckpt, monkeypatch):
 
     monkeypatch.setattr(processor, "pixel_values", fragile)
     bad = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(2, width=13)}}
-    with pytest.raises(OSError, match="broken image data"):
+    with pytest.raises(RequestFailedError, match=r"1 of 5 prompts failed: inputs\[4\].*broken image data") as info:
         llm.generate(batch(4) + [bad], long_params(8), use_tqdm=False)
+    assert set(info.value.failed) == {4} and isinstance(info.value.failed[4], OSError)
+    assert info.value.outputs[4] is None and isinstance(info.value.__cause__, OSError)
+    ref = get_llm(tiny_ckpt).generate(batch(4), long_params(8), use_tqdm=False)
+    assert token_ids(info.value.outputs[:4]) == token_ids(ref)
     assert_engine_empty(llm.llm_engine)
     assert all(o.finished for o in llm.generate(batch(4), long_params(4), use_tqdm=False))
 

@@ -230,6 +230,9 @@ def test_100_concurrent_streams_equal_greedy_alone_then_all_blocks_free(server, 
     assert metrics["mmkit:kv_blocks_used"] == 0 and metrics["mmkit:kv_blocks_total"] > 0
     assert metrics["mmkit:kv_blocks_total"] == 96
     assert metrics["mmkit:time_to_first_token_seconds_count"] >= 100
+    assert metrics["mmkit:request_queue_time_seconds_count"] >= 100
+    # Engine-side first-token times fall inside the HTTP requests' end-to-end latencies.
+    assert 0 < metrics["mmkit:time_to_first_token_seconds_sum"] <= metrics["mmkit:e2e_request_latency_seconds_sum"]
     print(f"preemptions so far: {metrics['mmkit:num_preemptions_total']:.0f}")
 
 

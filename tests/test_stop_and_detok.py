@@ -10,7 +10,7 @@ import torch
 from conftest import _hf_model, get_llm
 from mmkit import SamplingParams
 from mmkit.engine import detokenizer
-from mmkit.engine.sequence import Sequence
+from mmkit.engine.output_processor import SeqOutputState
 
 STORY = "Tell me a long story about the sea number 3"
 FFFD = "\ufffd"
@@ -189,7 +189,7 @@ def _byte_token_ids(tok, data: bytes):
 def _stream(tok, ids, params, num_prompt=0):
     """Feed `ids` one token at a time; return the text after each step."""
     prompt = list(range(5, 5 + num_prompt))
-    seq = Sequence(group=None, index=0, token_ids=list(prompt), num_prompt_tokens=num_prompt)
+    seq = SeqOutputState(index=0, token_ids=list(prompt), num_prompt_tokens=num_prompt)
     texts = []
     for t in ids:
         seq.token_ids.append(t)

@@ -127,8 +127,3 @@ def lm_batch(cache: TextCache, items):
     return ids, mask, labels
 
 
-def normalize_answer(s: str) -> str:
-    s = s.strip().lower()
-    while s and s[-1] in ".!?,;:":
-        s = s[:-1].rstrip()
-    return s

@@ -20,7 +20,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-from common import normalize_answer, scenes  # noqa: E402
+from common import scenes  # noqa: E402
+
+from mmkit.evaluation import normalize_answer  # noqa: E402  (one normalisation for training and mmkit eval)
 
 
 def answer_all(model, processor, items, batch_size=32):

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
-from mmkit.errors import EngineDeadError, RequestError
+from mmkit.errors import EngineDeadError
 from mmkit.inputs import parse_prompt
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
@@ -190,12 +190,9 @@ class AsyncLLMEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                try:
-                    outputs = await self._worker.run(self.engine.step)
-                except RequestError as exc:
-                    self._fail_requests(exc)
-                    continue
-                self._deliver(outputs)
+                step = await self._worker.run(self.engine.step_result)
+                self._fail_requests(step.errors)
+                self._deliver(step.outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
@@ -215,10 +212,10 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _fail_requests(self, exc: RequestError) -> None:
-        """An error that belongs to some requests (e.g. an image that fails to load)."""
-        self.engine.abort_request(exc.request_ids)
-        for rid in exc.request_ids:
+    def _fail_requests(self, errors: dict[str, BaseException]) -> None:
+        """Errors that belong to some requests (e.g. an image that fails to load): those
+        requests have ended in the engine; their callers get the error."""
+        for rid, exc in errors.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.put_nowait(exc.__cause__ or exc)
+                stream.put_nowait(exc)

@@ -10,8 +10,12 @@ the text is flushed from one full decode, so it always equals `tokenizer.decode(
 
 from __future__ import annotations
 
-from mmkit.engine.sequence import Sequence
+from typing import TYPE_CHECKING
+
 from mmkit.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmkit.engine.output_processor import SeqOutputState as Sequence
 
 _REPLACEMENT = "\ufffd"
 

@@ -1,22 +1,42 @@
-"""LLMEngine: requests in, one `step()` at a time, `RequestOutput`s out."""
+"""LLMEngine: requests in, one `step()` at a time, `RequestOutput`s out.
+
+Who owns what (vLLM v1's split): the `Scheduler` owns requests, their counters and blocks;
+the `ModelRunner` gets an immutable `SchedulerOutput` per step and keeps its own
+per-sequence cache; the `OutputProcessor` owns text, stop checks, logprobs, metrics and
+`RequestOutput`s. `step()` is the one step driver for `LLM`, `AsyncLLMEngine` and
+evaluation, with one failure policy: a request that fails after admission (its image
+cannot be processed) ends alone with its error (`take_request_errors`), the others go on.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
 from mmkit.config import EngineArgs, EngineConfig
-from mmkit.engine import detokenizer, output_builder
 from mmkit.engine.block_manager import BlockManager, blocks_needed
+from mmkit.engine.encoder_cache_manager import EncoderCacheManager
+from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from mmkit.errors import RequestError
 from mmkit.inputs import ParsedPrompt, parse_prompt
 from mmkit.legacy import legacy_single_input
 from mmkit.outputs import RequestOutput
 from mmkit.processors import ProcessedPrompt, get_input_processor
 from mmkit.sampling_params import SamplingParams
-from mmkit.worker.model_runner import ModelRunner, ModelRunnerOutput
+from mmkit.worker.model_runner import ModelRunner
+
+
+@dataclass
+class StepResult:
+    """One engine step as the drivers see it: outputs, and the requests that failed."""
+
+    outputs: list[RequestOutput]
+    errors: dict[str, BaseException]  # request id -> its error (those requests have ended)
 
 
 class LLMEngine:
@@ -30,15 +50,22 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.input_processor)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.groups: dict[str, SequenceGroup] = {}
+        self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
+        row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.max_model_len)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._request_errors: dict[str, BaseException] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args.create_engine_config())
+
+    @property
+    def groups(self) -> dict[str, SequenceGroup]:
+        """Unfinished requests (owned by the scheduler)."""
+        return self.scheduler.requests
 
     # ------------------------------------------------------------------ requests
     def process_request(self, request_id: str, parsed: ParsedPrompt,
@@ -46,7 +73,7 @@ class LLMEngine:
         """Everything that can reject a request, without changing any engine state."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: got {type(request_id).__name__}; expected str")
-        if request_id in self.groups:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         if params is None:
             params = SamplingParams()
@@ -83,112 +110,119 @@ class LLMEngine:
         processed, params = self.process_request(request_id, parsed, params)
         self.add_processed(request_id, processed, params)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                      *, final_only: bool = False) -> None:
+        """Queue a request `process_request` accepted. `final_only`: build its
+        `RequestOutput` once, when it finishes (no per-step outputs)."""
         params = params.clone(eos_token_ids=self.eos_token_ids)
         group = SequenceGroup(request_id=request_id, processed=processed, params=params)
         seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
                          num_prompt_tokens=len(processed.prompt_token_ids),
-                         generator=self._generator(params, i)) for i in range(params.n)]
+                         seed=self._seed(params, i)) for i in range(params.n)]
         group.seqs = seqs[:1]
         group.pending_forks = seqs[1:]
         seqs[0].num_pending_forks = params.n - 1
-        self.groups[request_id] = group
-        self.scheduler.add_group(group)
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
+                                          params, final_only)
+        self.scheduler.add_request(group)
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
-        gen = torch.Generator(device=self.model_runner.device)
+    def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
-            gen.manual_seed((params.seed * 1_000_003 + index) % 2**64)
-        else:
-            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
-        return gen
+            return (params.seed * 1_000_003 + index) % 2**64
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            group = self.groups.pop(rid, None)
-            if group is not None:
-                self.scheduler.abort_group(group)
-                group.image_embeds = None
+            self.scheduler.abort_request(rid)
+            self.output_processor.remove(rid)
+            self._request_errors.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.scheduler.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.groups)
+    def take_request_errors(self) -> dict[str, BaseException]:
+        """Requests that ended with an error since the last call (their final outputs, with
+        finish_reason "abort", came from `step`)."""
+        errors, self._request_errors = self._request_errors, {}
+        return errors
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, post-process; outputs of requests that progressed."""
+        """Schedule, run the model once, post-process; outputs of requests that progressed
+        (of final-only requests: only when they finish)."""
         sched = self.scheduler.schedule()
-        touched: dict[str, SequenceGroup] = {s.group.request_id: s.group for s in sched.out_of_cache}
+        touched: dict[str, SequenceGroup] = {}
+        for seq in self.scheduler.take_finished_while_scheduling():  # out of KV cache
+            self.output_processor.finish_seq(seq.group.request_id, seq.index, seq.status)
+            touched[seq.group.request_id] = seq.group
         if not sched.is_empty:
+            now = time.time()
+            for new in sched.new_seqs:
+                self.output_processor.record_scheduled(new.request_id, now)
             try:
                 result = self.model_runner.execute_model(sched)
+            except RequestError as exc:  # belongs to some requests: they end, the rest go on
+                self.scheduler.step_failed(sched)
+                return self._outputs(touched) + self._fail_requests(exc)
             except BaseException:
-                self.block_manager.forget(sched.published_blocks)
+                self.scheduler.step_failed(sched)
                 raise
-            for s in sched.scheduled:
-                s.seq.num_computed_tokens = s.end
-                touched[s.seq.group.request_id] = s.seq.group
-            self._postprocess(result, sched)
+            self._postprocess(sched, result, touched)
+        return self._outputs(touched)
+
+    def _postprocess(self, sched, result, touched: dict[str, SequenceGroup]) -> None:
+        out = result.sampler_output
+        update = self.scheduler.update_from_output(
+            sched, result.sampled_seq_ids, result.row_counts, out.token_ids if out is not None else [])
+        for seq in update.scheduled.values():
+            touched[seq.group.request_id] = seq.group
+        op = self.output_processor
+        for seq_id, (start, lp) in result.prompt_logprobs.items():
+            op.add_prompt_logprobs(update.scheduled[seq_id].group.request_id, start, lp)
+        now = time.time()
+        for seq, row in update.samples:
+            status = op.process_sample(seq.group.request_id, seq.index, out, row, now)
+            if status is not None:
+                self.scheduler.finish_seq(seq, status)
+
+    def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
         outputs = []
         for rid, group in touched.items():
-            outputs.append(output_builder.build_output(group))
-            if group.is_finished and self.groups.get(rid) is group:
-                del self.groups[rid]
-                group.image_embeds = None
-                self.stats["num_requests_finished"] += 1
+            output = self.output_processor.make_output(rid)
+            if output is not None:
+                outputs.append(output)
+            self.scheduler.remove_if_finished(group)
         return outputs
 
-    def _postprocess(self, result: ModelRunnerOutput, sched) -> None:
-        for s in sched.scheduled:
-            lp = result.prompt_logprobs.get(s.seq.group.request_id)
-            if lp is not None:
-                start = s.seq.num_computed_tokens - s.num_new_tokens  # step() already advanced it
-                output_builder.prompt_logprobs_for(self.tokenizer, s.seq.group, start, lp)
-        row = 0
-        for s, count in zip(result.sampled, result.row_counts):
-            seq = s.seq
-            group = seq.group
-            if seq.num_output_tokens == 0:  # first sample (not a recompute after preemption)
-                self.stats["prompt_tokens"] += seq.num_prompt_tokens
-            targets = [seq]
-            if seq.num_pending_forks:
-                targets += self._fork(seq, count - 1)
-            for i, target in enumerate(targets):
-                output_builder.append_sample(target, result.sampler_output, row + i, self.tokenizer)
-                self.stats["generation_tokens"] += 1
-                new_chars = len(detokenizer.decode_incrementally(self.tokenizer, target, group.params))
-                status = output_builder.check_stop(target, self.tokenizer,
-                                                   self.config.scheduler.max_model_len, new_chars)
-                if status is not None:
-                    self.scheduler.finish_seq(target, status)
-            row += count
+    def _fail_requests(self, exc: RequestError) -> list[RequestOutput]:
+        outputs = []
+        for rid in exc.request_ids:
+            group = self.scheduler.abort_request(rid)
+            if group is None:
+                continue
+            self.output_processor.finish_request(rid, SequenceStatus.FINISHED_ABORTED)
+            output = self.output_processor.make_output(rid)
+            if output is not None:
+                outputs.append(output)
+            self._request_errors[rid] = exc.__cause__ or exc
+        return outputs
 
-    def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
-        group = parent.group
-        children = group.pending_forks[:num_children]
-        group.pending_forks = group.pending_forks[num_children:]
-        parent.num_pending_forks = 0
-        for child in children:
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_hashes = list(parent.block_hashes)
-            self.block_manager.fork(parent, child)
-            group.seqs.append(child)
-            self.scheduler.add_running(child)
-        return children
+    def step_result(self) -> StepResult:
+        """`step()` plus the request errors of the step, as every driver consumes them."""
+        outputs = self.step()
+        errors = self.take_request_errors()
+        return StepResult([o for o in outputs if o.request_id not in errors], errors)
 
     # ------------------------------------------------------------------ metrics
     def get_metrics(self) -> dict[str, int]:
-        metrics = dict(self.stats)
+        metrics = dict(self.scheduler.stats)
         metrics["num_preemptions"] = self.scheduler.num_preemptions
         metrics["prefix_cache_queries"] = self.block_manager.num_cache_queries
         metrics["prefix_cache_hits"] = self.block_manager.num_cache_hits
-        metrics["encoder_cache_hits"] = self.model_runner.encoder_cache.num_hits
-        metrics["encoder_cache_misses"] = self.model_runner.encoder_cache.num_misses
+        metrics["encoder_cache_hits"] = self.encoder_cache_manager.num_hits
+        metrics["encoder_cache_misses"] = self.encoder_cache_manager.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
         return metrics

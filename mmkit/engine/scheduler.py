@@ -1,4 +1,4 @@
-"""Scheduler: FCFS continuous batching with token and sequence budgets.
+"""Scheduler: owns the requests; FCFS continuous batching with token and sequence budgets.
 
 Every sequence tracks `num_computed_tokens`; a step schedules, per sequence, the next chunk
 of tokens whose K/V is missing: one token for a decoding sequence, up to the whole prompt
@@ -6,6 +6,16 @@ for a new one (chunked when it exceeds the token budget). Running sequences go f
 blocks run out the most recently arrived running sequence is preempted (its blocks are
 freed and it is recomputed later). New requests are admitted only in steps without
 preemption, so a preempted request is not starved by newcomers.
+
+Encoder work is scheduled here too (vLLM v1): a chunk that covers an item's placeholder
+range needs the item's embedding in the runner's encoder cache. A cached item gains a
+reference; a missing one is scheduled for encoding within the step's encoder budget
+(`max_num_encoder_input_tokens`) and the cache's room (`EncoderCacheManager`); when neither
+allows it the chunk stops before that item and the item waits for a later step.
+
+`schedule()` returns a frozen `SchedulerOutput` (mmkit/scheduler_output.py); after the
+runner computed it, `update_from_output` advances the counters, appends sampled tokens and
+forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPlan`) itself.
 """
 
 from __future__ import annotations
@@ -15,65 +25,79 @@ from dataclasses import dataclass, field
 
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
+from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.hashing import update_block_hashes
+from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    num_new_tokens: int  # tokens [start, start + num_new_tokens)
+    start: int
+    new_block_ids: tuple[int, ...] = ()
+    replaced_blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
-        return self.seq.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence (so a token is sampled)."""
-        return self.end == self.seq.num_tokens
+        return self.start + self.num_new_tokens
 
 
 @dataclass
-class SchedulerOutput:
+class StepPlan:
+    """The scheduler's own record of the step in flight (never given to the runner)."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     published_blocks: list[int] = field(default_factory=list)  # prefix-cache entries of this step
-    # Sequences that could not get one more block even alone in the cache: finished "length".
-    out_of_cache: list[Sequence] = field(default_factory=list)
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # from the waiting queue, in order
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+@dataclass
+class StepUpdate:
+    """What `update_from_output` changed, for the output processor."""
+
+    scheduled: dict[int, Sequence]  # seq_id -> sequence computed in the step
+    samples: list[tuple[Sequence, int]]  # (sequence, sampler row) per new token, in row order
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.encoder_cache = encoder_cache or EncoderCacheManager(0)
+        self.encoder_row_bytes = encoder_row_bytes  # bytes of one embedding row (hidden * dtype)
+        self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._known_to_runner: set[int] = set()  # seq ids the runner holds a state for
+        self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
+        self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
+        self._plan: StepPlan | None = None
+        self._encoder_budget = 0
 
     # ------------------------------------------------------------------ queue management
-    def add_group(self, group: SequenceGroup) -> None:
+    def add_request(self, group: SequenceGroup) -> None:
+        self.requests[group.request_id] = group
         # Only the first sequence is prefilled; the others fork from it (see Sequence).
         self.waiting.append(group.seqs[0])
 
-    def abort_group(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-            seq.num_pending_forks = 0
-        group.pending_forks = []
+    def abort_request(self, request_id: str) -> SequenceGroup | None:
+        group = self.requests.pop(request_id, None)
+        if group is not None:
+            for seq in group.seqs:
+                self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                seq.num_pending_forks = 0
+            for child in group.pending_forks:
+                self._finished_seq_ids.add(child.seq_id)
+            group.pending_forks = []
+        return group
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.is_finished:
@@ -83,37 +107,81 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_encoder_inputs(seq)
         seq.status = status
+        self._known_to_runner.discard(seq.seq_id)
+        self._finished_seq_ids.add(seq.seq_id)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one joins the running set."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def remove_if_finished(self, group: SequenceGroup) -> bool:
+        """Forget a finished request (its outputs are built); True if it was removed now."""
+        if group.is_finished and self.requests.get(group.request_id) is group:
+            del self.requests[group.request_id]
+            self.stats["num_requests_finished"] += 1
+            return True
+        return False
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_finished_while_scheduling(self) -> list[Sequence]:
+        done, self._finished_while_scheduling = self._finished_while_scheduling, []
+        return done
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        plan = StepPlan()
         token_budget = self.config.max_num_batched_tokens
+        self._encoder_budget = self.config.max_num_encoder_input_tokens or token_budget
         scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
-            if not self._make_room(seq, num_new, out, scheduled_ids):
+            if not self._make_room(seq, num_new, plan, scheduled_ids):
                 continue  # `seq` itself was preempted or finished; running[i] is the next one
-            self._allocate(seq, num_new, out)
+            i += 1
+            num_new = self._schedule_encoder_inputs(seq, seq.num_computed_tokens, num_new, plan)
+            if num_new == 0:
+                continue  # waits for room in the encoder cache or budget
+            self._allocate(seq, num_new, plan)
             scheduled_ids.add(seq.seq_id)
             token_budget -= num_new
-            i += 1
-        if out.num_preempted == 0:
-            token_budget = self._admit_waiting(out, token_budget)
-        return out
+        if plan.num_preempted == 0:
+            self._admit_waiting(plan, token_budget)
+        self._plan = plan
+        return self._freeze(plan)
 
-    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput,
-                   scheduled_ids: set[int]) -> bool:
+    def _freeze(self, plan: StepPlan) -> SchedulerOutput:
+        new, cached = [], []
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.seq_id in self._known_to_runner:
+                cached.append(CachedSeqData(seq.seq_id, s.new_block_ids, s.replaced_blocks, s.start))
+            else:
+                new.append(self._new_seq_data(seq, s.start))
+                self._known_to_runner.add(seq.seq_id)
+        finished, self._finished_seq_ids = frozenset(self._finished_seq_ids), set()
+        return SchedulerOutput(
+            new_seqs=tuple(new), cached_seqs=tuple(cached),
+            num_scheduled_tokens={s.seq.seq_id: s.num_new_tokens for s in plan.scheduled},
+            finished_seq_ids=finished, block_copies=tuple(plan.block_copies),
+            encoder_inputs=tuple(plan.encoder_inputs), free_encoder_keys=self.encoder_cache.take_freed())
+
+    def _new_seq_data(self, seq: Sequence, num_computed: int) -> NewSeqData:
+        group = seq.group
+        processed = group.processed
+        ranges = tuple(processed.placeholder_ranges)
+        forks = tuple((c.seq_id, c.seed) for c in group.pending_forks[:seq.num_pending_forks])
+        return NewSeqData(
+            seq_id=seq.seq_id, request_id=group.request_id, sample_index=seq.index,
+            token_ids=tuple(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+            sampling_params=group.params, seed=seq.seed, block_ids=tuple(seq.block_table),
+            num_computed_tokens=num_computed, placeholder_ranges=ranges,
+            encoder_keys=tuple(self.encoder_keys(group)) if ranges else (),
+            mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
+            pending_forks=forks)
+
+    def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Preempt the newest running sequences until `seq` can allocate; False if `seq` left."""
         while not self.block_manager.can_allocate(seq, num_new):
             victim = self.running[-1]
@@ -121,30 +189,37 @@ class Scheduler:
                 if len(self.running) == 1:
                     # Alone in the cache and still no room: it can never grow further.
                     self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                    out.out_of_cache.append(seq)
+                    self._finished_while_scheduling.append(seq)
                 else:
-                    self._preempt(seq, out)
+                    self._preempt(seq, plan)
                 return False
             if victim.seq_id in scheduled_ids:  # pragma: no cover - victims come after `seq`
                 raise AssertionError("preempting an already scheduled sequence")
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, plan) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._release_encoder_inputs(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        self._known_to_runner.discard(seq.seq_id)  # resent whole when it resumes
         self.num_preemptions += 1
-        out.num_preempted += 1
+        plan.num_preempted += 1
 
-    def _allocate(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _allocate(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         bm = self.block_manager
-        out.block_copies.extend(bm.allocate(seq, num_new))
-        out.scheduled.append(ScheduledSeq(seq, num_new))
+        start = seq.num_computed_tokens
+        old_len = len(seq.block_table)
+        copies = bm.allocate(seq, num_new)
+        plan.block_copies.extend(copies)
+        # Copy-on-write replaces the block the first new token goes to.
+        replaced = tuple((start // bm.block_size, dst) for _src, dst in copies)
+        plan.scheduled.append(ScheduledSeq(seq, num_new, start, tuple(seq.block_table[old_len:]), replaced))
         if bm.enable_prefix_caching:
             update_block_hashes(seq, bm.block_size)
-            out.published_blocks.extend(bm.register_full_blocks(seq, seq.num_computed_tokens + num_new))
+            plan.published_blocks.extend(bm.register_full_blocks(seq, start + num_new))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
@@ -154,18 +229,145 @@ class Scheduler:
         update_block_hashes(seq, bm.block_size)
         return bm.find_cached_prefix(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> int:
+    def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = self._cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, token_budget)
+            start = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - start, token_budget)
             if not self.block_manager.can_allocate_with_prefix(seq, hits, num_new):
+                break
+            num_new = self._schedule_encoder_inputs(seq, start, num_new, plan)
+            if num_new == 0:
                 break
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching:
                 self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._allocate(seq, num_new, out)
+            plan.admitted.append(seq)
+            self._allocate(seq, num_new, plan)
             token_budget -= num_new
         return token_budget
+
+    # ------------------------------------------------------------------ after the step
+    def update_from_output(self, sched: SchedulerOutput, sampled_seq_ids: list[int], row_counts: list[int],
+                           token_ids: list[int]) -> StepUpdate:
+        """Advance the counters of the computed step, append sampled tokens (forking n > 1
+        samples at their first token)."""
+        plan, self._plan = self._plan, None
+        by_id = {}
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens = s.end
+            by_id[s.seq.seq_id] = s.seq
+        self._release_computed_encoder_inputs(plan)
+        samples: list[tuple[Sequence, int]] = []
+        row = 0
+        for seq_id, count in zip(sampled_seq_ids, row_counts):
+            seq = by_id[seq_id]
+            if seq.num_output_tokens == 0:  # first sample (not a recompute after preemption)
+                self.stats["prompt_tokens"] += seq.num_prompt_tokens
+            targets = [seq]
+            if seq.num_pending_forks:
+                targets += self._fork(seq, count - 1)
+            for i, target in enumerate(targets):
+                target.token_ids.append(token_ids[row + i])
+                samples.append((target, row + i))
+            self.stats["generation_tokens"] += len(targets)
+            row += count
+        return StepUpdate(by_id, samples)
+
+    def step_failed(self, sched: SchedulerOutput) -> None:
+        """The runner did not compute `sched`: nothing it was to encode or publish exists,
+        and its per-sequence states are rebuilt from scratch next time."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        self.block_manager.forget(plan.published_blocks)
+        self.encoder_cache.forget([e.key for e in plan.encoder_inputs])
+        self.encoder_cache.requeue_freed(sched.free_encoder_keys)
+        self._finished_seq_ids |= sched.finished_seq_ids
+        for s in plan.scheduled:
+            self._known_to_runner.discard(s.seq.seq_id)
+        # NOTE: a sequence admitted in this step may hold prefix-cache hits on blocks that
+        # the step was to compute: undo its admission (it is recomputed from scratch).
+        for seq in reversed(plan.admitted):
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                self._release_encoder_inputs(seq)
+                seq.reset_for_recompute()
+                self.waiting.appendleft(seq)
+
+    def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
+        group = parent.group
+        children = group.pending_forks[:num_children]
+        group.pending_forks = group.pending_forks[num_children:]
+        parent.num_pending_forks = 0
+        for child in children:
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
+            self.block_manager.fork(parent, child)
+            group.seqs.append(child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
+    # ------------------------------------------------------------------ encoder inputs
+    def encoder_keys(self, group: SequenceGroup) -> list[str]:
+        """Encoder-cache key per item: its content hash (shared by equal images) or, with
+        the cache off, a key private to the request."""
+        if group.encoder_keys is None:
+            if self.encoder_cache.enabled:
+                group.encoder_keys = list(group.get_image_hashes())
+            else:
+                group.encoder_keys = [f"{group.request_id}/{i}" for i in range(len(group.processed.placeholder_ranges))]
+        return group.encoder_keys
+
+    def _schedule_encoder_inputs(self, seq: Sequence, start: int, num_new: int, plan: StepPlan) -> int:
+        """Reference or schedule the items chunk [start, start + num_new) covers; returns the
+        (possibly shortened) number of tokens to schedule."""
+        group = seq.group
+        ranges = group.processed.placeholder_ranges
+        if not ranges:
+            return num_new
+        end = start + num_new
+        keys = self.encoder_keys(group)
+        cache = self.encoder_cache
+        for i, (offset, length) in enumerate(ranges):
+            if offset >= end:
+                break
+            if offset + length <= start or cache.holds(seq.seq_id, keys[i]):
+                continue
+            if cache.has(keys[i]):  # cached, or scheduled earlier in this step
+                cache.add_ref(keys[i], seq.seq_id)
+                cache.num_hits += 1
+                continue
+            num_bytes = length * self.encoder_row_bytes
+            over_budget = length > self._encoder_budget and bool(plan.encoder_inputs)
+            if over_budget or not cache.can_allocate(num_bytes):
+                return max(offset - start, 0)  # stop before this item
+            cache.allocate(keys[i], seq.seq_id, num_bytes)
+            self._encoder_budget -= length
+            embeds = group.processed.image_embeds
+            plan.encoder_inputs.append(EncoderInput(
+                group.request_id, keys[i],
+                group.processed.images[i] if embeds is None else None,
+                embeds[i] if embeds is not None else None, length))
+        return num_new
+
+    def _release_computed_encoder_inputs(self, plan: StepPlan) -> None:
+        """Items fully computed need no embedding any more (vLLM frees them at this point)."""
+        for s in plan.scheduled:
+            seq = s.seq
+            keys = seq.group.encoder_keys
+            if keys is not None:
+                done = seq.num_computed_tokens
+                for key, (offset, length) in zip(keys, seq.group.processed.placeholder_ranges):
+                    if offset + length <= done:
+                        self.encoder_cache.release(key, seq.seq_id)
+
+    def _release_encoder_inputs(self, seq: Sequence) -> None:
+        if seq.group is not None and seq.group.encoder_keys is not None:
+            self.encoder_cache.release_all(seq.seq_id, seq.group.encoder_keys)

@@ -1,16 +1,18 @@
-"""Requests (`SequenceGroup`) and their sequences: the state the scheduler moves around."""
+"""Requests (`SequenceGroup`) and their sequences: the scheduler's state.
+
+The scheduler owns these objects (`Scheduler.requests`): token ids, computed-token counts,
+status, block tables and prefix-cache keys. The runner never sees them (it gets a
+`SchedulerOutput` and keeps its own per-sequence cache); the output processor keeps the
+text, logprobs and metrics of each request (`mmkit/engine/output_processor.py`).
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from mmkit.outputs import PositionLogprobs
 from mmkit.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,19 +43,12 @@ class Sequence:
     index: int  # which of the request's n samples
     token_ids: list[int]
     num_prompt_tokens: int
+    seed: int = 0  # of the sampling generator the runner keeps for this sample
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    # Detokenizer state (see mmkit/engine/detokenizer.py).
-    output_text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    stop_reason: int | str | None = None
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key (SHA-256) of each full block
     # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
     # produces all n first tokens; the other n - 1 sequences are forked from this one.
     num_pending_forks: int = 0
@@ -93,16 +88,11 @@ class SequenceGroup:
     processed: "ProcessedPrompt"
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.monotonic)
-    # Vision embeddings [num_image_tokens_total, hidden], computed at the first prefill and
-    # kept while the request lives so a recompute after preemption or a later prefill chunk
-    # does not rerun the vision tower.
-    image_embeds: torch.Tensor | None = None
-    # Samples 1..n-1 before the prompt is computed: they exist (with their generators) but
-    # join `seqs` only when forked from seqs[0] after its prefill.
+    # Samples 1..n-1 before the prompt is computed: they exist (with their seeds) but join
+    # `seqs` only when forked from seqs[0] after its prefill.
     pending_forks: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
     image_hashes: list[str] | None = None  # content hash per image, computed on first use
+    encoder_keys: list[str] | None = None  # encoder-cache key per item (set by the scheduler)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -121,6 +111,3 @@ class SequenceGroup:
             else:
                 self.image_hashes = [image_content_hash(item) for item in self.processed.images]
         return self.image_hashes
-
-    def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]

@@ -16,6 +16,15 @@ instead of a C++ extension build (a minute); the shared object is cached under
 
 When no compiler is found or the build fails, mmkit warns once and keeps the torch path (same
 results, slower decode). `MMKIT_CPU_KERNELS=0` turns the kernels off (A/B measurements).
+
+Environment switches (each part of the cache key):
+- `MMKIT_REQUIRE_CPU_KERNELS=1`: a failed build raises instead of falling back (CI sets it,
+  so a broken kernel fails the suite rather than skipping its tests).
+- `MMKIT_KERNEL_GENERIC=1`: build for the baseline ISA (no `-march=native`), so the portable
+  code paths run even on an AVX-512 machine (tests compare both).
+- `MMKIT_KERNEL_CHECKS=1`: a bounds-checking build; the paged-attention and KV-write kernels
+  validate block ids, context lengths and slots and raise `IndexError` (the tests use it).
+A cache folder that cannot be written falls back to a per-user folder under the temp dir.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -33,7 +43,7 @@ from pathlib import Path
 import torch
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+_BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library, or None once known unavailable
@@ -43,9 +53,37 @@ def kernels_enabled() -> bool:
     return os.environ.get("MMKIT_CPU_KERNELS", "1") != "0"
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def build_flags() -> tuple[str, ...]:
+    flags = list(_BASE_FLAGS)
+    if not _env_on("MMKIT_KERNEL_GENERIC"):
+        flags.insert(1, "-march=native")
+    if _env_on("MMKIT_KERNEL_CHECKS"):
+        flags.append("-DMMKIT_KERNEL_CHECKS")
+    return tuple(flags)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("MMKIT_CACHE_DIR") or Path.home() / ".cache" / "mmkit"
     return Path(root) / "kernels"
+
+
+def _fallback_cache_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"mmkit-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
+def _writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe.{os.getpid()}.{threading.get_ident()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return True
+    except OSError:
+        return False
 
 
 def _cpu_signature() -> str:
@@ -66,15 +104,20 @@ def _build() -> Path:
     sources = sorted(_SOURCE_DIR.glob("*.c"))
     texts = [f.read_bytes() for f in sorted(_SOURCE_DIR.glob("*.[ch]"))]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(_FLAGS).encode(), compiler.encode(), version.encode(),
+    flags = build_flags()
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), compiler.encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
-    target = cache_dir() / f"mmkit_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"mmkit_cpu-{key}.so"
+    for folder in (cache_dir(), _fallback_cache_dir()):
+        if (folder / name).exists():
+            return folder / name
+    # A read-only (or unusable) cache folder: build into a per-user temporary one instead.
+    folder = cache_dir() if _writable_dir(cache_dir()) else _fallback_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / name
     # Build beside the target and rename: concurrent processes never load a half-written file.
     partial = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.part")
-    proc = subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
+    proc = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial), "-lm"],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
@@ -91,8 +134,10 @@ _SIGNATURES = {
     "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
     "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
     "mmkit_argmax_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _INT], _I64),
-    "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], None),
+    "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], _INT),
+    "mmkit_has_avx512": ([], _INT),
 }
+_OUT_OF_BOUNDS = 2  # status of the bounds-checking build (MMKIT_KERNEL_CHECKS=1)
 
 
 def _load() -> ctypes.CDLL:
@@ -115,6 +160,9 @@ def library() -> ctypes.CDLL | None:
                     try:
                         lib = _load()
                     except Exception as exc:  # noqa: BLE001 - any failure means: use torch
+                        if _env_on("MMKIT_REQUIRE_CPU_KERNELS"):
+                            raise RuntimeError(f"mmkit: the CPU kernels failed to build or load ({exc}) and "
+                                               "MMKIT_REQUIRE_CPU_KERNELS=1 forbids the torch fallback") from exc
                         warnings.warn(f"mmkit: the CPU kernels are unavailable ({exc}); "
                                       "the slower torch ops are used instead", RuntimeWarning, stacklevel=2)
                 _state["lib"] = lib
@@ -147,6 +195,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = lib.mmkit_paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                 block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
                 head_dim, num_blocks, block_size, scale, _DTYPES[q.dtype], torch.get_num_threads())
+    if status == _OUT_OF_BOUNDS:
+        raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks) or a context length "
+                         f"(at most {max_blocks} x {block_size}) is out of range")
     if status != 0:
         raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
     return out
@@ -164,10 +215,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return False
     kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     slot_mapping = slot_mapping.contiguous()
-    lib.mmkit_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0),
-                       slot_mapping.data_ptr(), k.shape[0], kv_heads, num_blocks * block_size, head_dim,
-                       k.element_size())
+    status = lib.mmkit_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                                v.stride(0), slot_mapping.data_ptr(), k.shape[0], kv_heads, num_blocks * block_size,
+                                head_dim, k.element_size())
+    if status == _OUT_OF_BOUNDS:
+        raise IndexError(f"mmkit: KV write: a slot is out of range [0, {num_blocks * block_size})")
     return True
+
+
+def has_avx512() -> bool:
+    """Whether the loaded build contains the AVX-512 code paths."""
+    lib = library()
+    return bool(lib is not None and lib.mmkit_has_avx512())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:

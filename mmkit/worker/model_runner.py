@@ -1,38 +1,40 @@
 """ModelRunner: turns one `SchedulerOutput` into a forward pass and sampled tokens.
 
-`execute_model` is the one call per engine step that runs the model: batch preparation
-(input ids, positions, slot mapping, block tables), image encoding and merging on prefill,
+`execute_model` is the one call per engine step that runs the model: the encoder work the
+scheduler scheduled, batch preparation (input ids, positions, slot mapping, block tables),
+the merge of item embeddings into placeholder rows (`models/interfaces.py`),
 the decoder forward on the paged cache, the LM head on the last positions and the sampler.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from mmkit.config import EngineConfig
-from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
-from mmkit.engine.sequence import SequenceGroup
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from mmkit.scheduler_output import SchedulerOutput
+from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices, uses_mrope
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Sampled tokens for the scheduled chunks that reached the end of their sequence."""
 
-    sampled: list[ScheduledSeq]  # in the order of the sampler rows
+    sampled_seq_ids: list[int]  # in the order of the sampler rows
     sampler_output: SamplerOutput | None
-    # Rows of `sampler_output` per sampled chunk: n rows for a prompt that forks n samples.
+    # Rows of `sampler_output` per sampled sequence: n rows for a prompt that forks n samples.
     row_counts: list[int]
-    prompt_logprobs: dict[str, torch.Tensor]  # request_id -> [chunk_len, vocab] logprobs
+    prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (chunk start, [chunk_len, vocab])
 
 
 @contextlib.contextmanager
@@ -59,64 +61,118 @@ class ModelRunner:
             model = model_cls(mc.hf_config, max_positions)
         model.load_checkpoint(Path(mc.path))
         self.model = model.to(dtype=self.dtype).eval()
-        # The rotary table stays float32 (cast per use), like transformers.
-        self.model.language_model.rotary.float()
-        if hasattr(self.model, "prepare_for_inference"):
-            self.model.prepare_for_inference()
+        self.model.prepare_for_inference()
+        self.uses_mrope = uses_mrope(self.model)
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
+        self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
+        self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
+        self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
         self._copy_blocks(sched.block_copies)
+        self._run_encoder(sched)
         # Decode tokens (chunks of one token) first, then prefill chunks.
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
+        chunks = []
+        for seq_id, num_new in sched.num_scheduled_tokens.items():
+            state = self.states[seq_id]
+            chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
+        order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
         input_ids, positions, slots, meta = self._prepare(order)
+        if self.uses_mrope:
+            positions = self._mrope_positions(order)
         embeds = self.model.embed_tokens(input_ids)
-        self._merge_images(order, embeds)
+        self._merge_multimodal(order, embeds)
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
-        sampled, rows, row_counts, last_rows = [], [], [], []
+        sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
         row = 0
-        prompt_lp: dict[str, torch.Tensor] = {}
-        for s in order:
-            group = s.seq.group
-            if group.params.prompt_logprobs is not None and s.seq.num_output_tokens == 0 and s.seq.index == 0:
-                prompt_lp[group.request_id] = self._chunk_logprobs(hidden[row:row + s.num_new_tokens])
-            row += s.num_new_tokens
-            if not s.samples:
+        prompt_lp: dict[int, tuple[int, torch.Tensor]] = {}
+        for c in order:
+            state = c.state
+            if (state.params.prompt_logprobs is not None and state.num_output_tokens == 0
+                    and state.sample_index == 0):
+                prompt_lp[state.seq_id] = (c.start, self._chunk_logprobs(hidden[row:row + c.num_new_tokens]))
+            row += c.num_new_tokens
+            state.num_computed_tokens = c.end
+            if not c.samples:
                 continue
-            copies = 1 + s.seq.num_pending_forks
-            sampled.append(s)
+            copies = 1 + len(state.pending_forks)
+            sampled.append(state)
             row_counts.append(copies)
             last_rows.extend([row - 1] * copies)
-            rows.extend(self._sampling_rows(s, copies))
+            rows.extend(self._sampling_rows(state))
+            row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        return ModelRunnerOutput(sampled, self.sampler(logits, rows), row_counts, prompt_lp)
+        for hook in self.sampler_hooks:
+            hook.apply(logits, row_states)
+        out = self.sampler(logits, rows)
+        row = 0
+        for state, count in zip(sampled, row_counts):
+            token = out.token_ids[row]
+            state.token_ids.append(token)  # the runner's own copy of the tokens
+            state.pending_forks = []
+            for hook in self.sampler_hooks:
+                hook.on_sampled(state, token)
+            row += count
+        return ModelRunnerOutput([s.seq_id for s in sampled], out, row_counts, prompt_lp)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for seq_id in sched.finished_seq_ids:
+            self.states.pop(seq_id, None)
+            self._fork_generators.pop(seq_id, None)
+        for d in sched.new_seqs:
+            old = self.states.get(d.seq_id)
+            generator = old.generator if old is not None else self._fork_generators.pop(d.seq_id, None)
+            state = self.states[d.seq_id] = CachedSeqState(
+                seq_id=d.seq_id, request_id=d.request_id, sample_index=d.sample_index,
+                token_ids=list(d.token_ids), prompt_token_ids=d.token_ids[:d.num_prompt_tokens],
+                params=d.sampling_params, generator=generator or self._make_generator(d.seed),
+                block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
+                placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
+                mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
+                pending_forks=list(d.pending_forks))
+            if old is not None:  # a rebuild: per-sequence sampler objects carry over
+                state.sampler_state = old.sampler_state
+            else:
+                for hook in self.sampler_hooks:
+                    hook.on_new_seq(state)
+        for c in sched.cached_seqs:
+            state = self.states[c.seq_id]
+            for index, block_id in c.replaced_blocks:
+                state.block_table[index] = block_id
+            state.block_table.extend(c.new_block_ids)
+            state.num_computed_tokens = c.num_computed_tokens
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).log_softmax(dim=-1)
 
-    def _sampling_rows(self, s: ScheduledSeq, copies: int) -> list[SamplingRow]:
-        group = s.seq.group
-        params = group.params
+    def _sampling_rows(self, state: CachedSeqState) -> list[SamplingRow]:
+        params = state.params
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
-        output_ids = s.seq.output_token_ids if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids)]
-        # Pending forks (n > 1) draw their first token from the same logits row.
-        for child in group.pending_forks[: copies - 1]:
-            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids))
+        output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
+        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids)]
+        # Pending forks (n > 1) draw their first token from the same logits row, each with
+        # its own generator, kept for when the fork arrives as a new sequence.
+        for child_id, seed in state.pending_forks:
+            generator = self._fork_generators[child_id] = self._make_generator(seed)
+            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
-    def _prepare(self, order: list[ScheduledSeq]):
+    def _prepare(self, order: list[Chunk]):
         """Flat step inputs. Built from Python ints and turned into tensors once per step
         (no per-sequence tensor ops): decode rows cost O(1) each, whatever their length."""
         bs = self.block_size
@@ -126,18 +182,18 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        for s in order:
-            seq = s.seq
-            table = seq.block_table
-            start, end = s.start, s.end
+        for c in order:
+            state = c.state
+            table = state.block_table
+            start, end = c.start, c.end
             if end - start == 1:
-                ids.append(seq.token_ids[start])
+                ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(end)
                 continue
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             prefills.append(PrefillChunk(len(ids) - (end - start), end - start, end,
@@ -148,96 +204,78 @@ class ModelRunner:
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
-    # ------------------------------------------------------------------ images
-    def _merge_images(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
-        """Scatter vision embeddings into the placeholder rows covered by this step."""
-        needs = [s for s in order if _overlaps_images(s)]
-        if not needs:
+    # ------------------------------------------------------------------ multimodal items
+    def _run_encoder(self, sched: SchedulerOutput) -> None:
+        """Drop the entries the scheduler freed, then encode the items it scheduled.
+
+        Every item of the step goes through `embed_multimodal` in one call; results are
+        stored only when all of them succeeded (a failed step leaves no half-filled cache)."""
+        store = self.encoder_cache
+        for key in sched.free_encoder_keys:
+            store.pop(key)
+        if not sched.encoder_inputs:
             return
-        self._encode_missing([s.seq.group for s in needs])
-        dst_rows: list[torch.Tensor] = []
-        src_rows: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        base_row = 0
-        src_base = 0
-        for s in order:
-            if s in needs:
-                group = s.seq.group
-                image_base = 0
-                for offset, length in group.processed.placeholder_ranges:
-                    lo, hi = max(s.start, offset), min(s.end, offset + length)
-                    if lo < hi:
-                        dst_rows.append(torch.arange(lo - s.start, hi - s.start) + base_row)
-                        src_rows.append(torch.arange(lo - offset, hi - offset) + image_base + src_base)
-                    image_base += length
-                sources.append(group.image_embeds)
-                src_base += group.image_embeds.shape[0]
-            base_row += s.num_new_tokens
-        if dst_rows:
-            source = torch.cat(sources)
-            dst = torch.cat(dst_rows).to(self.device)
-            src = torch.cat(src_rows).to(self.device)
-            embeds.index_copy_(0, dst, source[src].to(embeds.dtype))
-
-    def _encode_missing(self, groups: list[SequenceGroup]) -> None:
-        """Fill `group.image_embeds` for groups about to prefill image tokens.
-
-        Identical images (same content hash) are encoded once per step and, through the
-        encoder cache, once across steps and calls; all misses of a step go through the
-        vision tower together.
-        """
-        cache = self.encoder_cache
-        todo: dict[str, object] = {}  # content hash (or unique key) -> ImageItem to encode
-        plans: list[tuple[SequenceGroup, list[str]]] = []
-        for g in dict.fromkeys(groups):  # unique, in order
-            if g.image_embeds is not None:
+        fresh: dict[str, torch.Tensor] = {}
+        to_encode, item_inputs = [], []
+        for e in sched.encoder_inputs:
+            if e.embeds is not None:  # given by the user: no vision tower
+                fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
-            if g.processed.image_embeds is not None:
-                g.image_embeds = g.processed.image_embeds.to(self.device, self.dtype).flatten(0, 1)
-                self._check_count(g)
-                continue
-            keys = g.get_image_hashes() if cache.enabled else [f"{g.request_id}/{i}" for i in range(len(g.processed.images))]
-            for key, item in zip(keys, g.processed.images):
-                if cache.get(key) is not None or key in todo:
-                    cache.num_hits += 1
-                else:
-                    cache.num_misses += 1
-                    todo[key] = (g, item)
-            plans.append((g, keys))
-        fresh = self._encode(todo)
-        for g, keys in plans:
-            parts = [fresh[k] if k in fresh else cache.get(k) for k in keys]
-            g.image_embeds = torch.cat(parts)  # [num_images * image_seq_length, hidden]
-            self._check_count(g)
-
-    def _encode(self, todo: dict) -> dict[str, torch.Tensor]:
-        if not todo:
-            return {}
-        pixel_values = []
-        for g, item in todo.values():
             try:
-                pixel_values.append(self.input_processor.pixel_values([item]))
+                inputs = self.input_processor.mm_item_inputs(e.item)
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
-                raise RequestError([g.request_id], f"request {g.request_id!r}: image processing failed: {exc}") from exc
-        batch = torch.cat(pixel_values).to(self.device, self.dtype)
-        features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]
-        self.num_vision_calls += batch.shape[0]
-        fresh = {}
-        for key, feats in zip(todo, features):
-            fresh[key] = feats
-            self.encoder_cache.put(key, feats)
-        return fresh
+                raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            to_encode.append(e)
+            item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
+        if item_inputs:
+            embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
+            self.num_vision_calls += len(item_inputs)
+            fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
+        for e in sched.encoder_inputs:
+            got = fresh[e.key].shape[0]
+            if got != e.num_tokens:
+                error = ValueError(f"request {e.request_id!r}: an image produced {got} embedding rows but its "
+                                   f"placeholder range has {e.num_tokens} tokens; refusing to misalign them")
+                raise RequestError([e.request_id], str(error)) from error
+        for key, value in fresh.items():
+            store.put(key, value)
 
-    @staticmethod
-    def _check_count(g: SequenceGroup) -> None:
-        expected = sum(length for _, length in g.processed.placeholder_ranges)
-        if g.image_embeds.shape[0] != expected:
-            got = g.image_embeds.shape[0]
-            g.image_embeds = None
-            raise ValueError(
-                f"request {g.request_id!r}: the images produced {got} embedding rows but the prompt has "
-                f"{expected} image placeholder tokens; refusing to misalign them"
-            )
+    def _merge_multimodal(self, order: list[Chunk], embeds: torch.Tensor) -> None:
+        """Scatter cached item embeddings into the placeholder rows this step computes."""
+        items: list[torch.Tensor] = []
+        index: dict[str, int] = {}
+        slices: list[EmbedSlice] = []
+        row = 0
+        for c in order:
+            state = c.state
+            if state.placeholder_ranges:
+                for sl in placeholder_slices(state.placeholder_ranges, c.start, c.end, row):
+                    key = state.encoder_keys[sl.item]
+                    if key not in index:
+                        value = self.encoder_cache.get(key)
+                        if value is None:  # pragma: no cover - the scheduler's invariant
+                            raise RuntimeError(f"request {state.request_id!r}: encoder cache entry {key!r} missing")
+                        index[key] = len(items)
+                        items.append(value)
+                    slices.append(replace(sl, item=index[key]))
+            row += c.num_new_tokens
+        merge_multimodal_embeddings(embeds, items, slices)
+
+    def _mrope_positions(self, order: list[Chunk]) -> torch.Tensor:
+        """[3, num_tokens] positions for a `SupportsMRoPE` model: the processor's rows for
+        prompt tokens, index + delta (in all three rows) for generated ones."""
+        parts = []
+        for c in order:
+            state = c.state
+            table = state.mrope_positions  # [3, num_prompt_tokens]
+            num_prompt = table.shape[1] if table is not None else 0
+            lo, hi = c.start, c.end
+            if lo < num_prompt:
+                parts.append(table[:, lo:min(hi, num_prompt)])
+            if hi > num_prompt:
+                gen = torch.arange(max(lo, num_prompt), hi) + state.mrope_position_delta
+                parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=1).to(self.device)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -254,10 +292,3 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-def _overlaps_images(s: ScheduledSeq) -> bool:
-    for offset, length in s.seq.group.processed.placeholder_ranges:
-        if offset < s.end and s.start < offset + length:
-            return True
-    return False

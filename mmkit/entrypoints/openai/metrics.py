@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 # engine.get_metrics() key -> (metric name, help) of the cumulative counters.
 _COUNTERS = {
     "prompt_tokens": ("mmkit:prompt_tokens", "Prompt tokens processed (image tokens included)."),
@@ -64,10 +64,13 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(async_engine))
         self.request_latency = Histogram(
-            "mmkit:e2e_request_latency_seconds", "Time from a request's arrival to its last byte.",
+            "mmkit:e2e_request_latency_seconds", "Time from an HTTP request's arrival to its last token.",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.time_to_first_token = Histogram(
-            "mmkit:time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+            "mmkit:time_to_first_token_seconds", "Time from a request's arrival in the engine to its first token.",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.request_queue_time = Histogram(
+            "mmkit:request_queue_time_seconds", "Time a request waited in the engine before it was scheduled.",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
         # status: ok, disconnected (the client left), aborted (shutdown), error (engine), or the
         # HTTP code of a rejected request (400, 401 is not counted: it never reaches a handler).

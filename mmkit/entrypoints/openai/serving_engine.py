@@ -228,17 +228,30 @@ async def _wait_for_disconnect(raw_request: Any) -> None:
 
 
 class RequestTimer:
-    """Arrival, first-token and end times of one HTTP request, fed to the metrics."""
+    """Times of one HTTP request, fed to the metrics: time to first token and time in the
+    queue from the engine's own `RequestOutput.metrics` (arrival in the engine -> first token,
+    as vLLM counts them); the end-to-end latency from the HTTP request's arrival."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.arrival = time.perf_counter()
-        self.first_token: float | None = None
+        self.first_token_seen = False
+        self.queue_time_seen = False
 
     def on_output(self, out: RequestOutput) -> None:
-        if self.first_token is None and any(c.token_ids for c in out.outputs):
-            self.first_token = time.perf_counter()
-            self.metrics.time_to_first_token.observe(self.first_token - self.arrival)
+        timings = out.metrics or {}
+        arrival = timings.get("arrival_time")
+        if not self.queue_time_seen and timings.get("time_in_queue") is not None:
+            self.queue_time_seen = True
+            self.metrics.request_queue_time.observe(timings["time_in_queue"])
+        if self.first_token_seen or not any(c.token_ids for c in out.outputs):
+            return
+        self.first_token_seen = True
+        first = timings.get("first_token_time")
+        if arrival is not None and first is not None:
+            self.metrics.time_to_first_token.observe(max(first - arrival, 0.0))
+        else:  # an engine without timings: measured here, from the HTTP request's arrival
+            self.metrics.time_to_first_token.observe(time.perf_counter() - self.arrival)
 
     def finish(self, status: str) -> None:
         self.metrics.observe_request(time.perf_counter() - self.arrival, status)

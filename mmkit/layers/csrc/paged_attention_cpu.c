@@ -285,7 +285,8 @@ static float *thread_scratch(int which, size_t count) {
     return buffers[which];
 }
 
-/* Returns 0 on success, 1 when a scratch buffer could not be allocated. */
+/* Returns 0 on success, 1 when a scratch buffer could not be allocated, 2 (bounds-checking
+ * build, -DMMKIT_KERNEL_CHECKS) when a block id or context length is out of range. */
 int mmkit_paged_decode_attention(
     void *out,                   /* [num_seqs, num_heads, head_dim], contiguous */
     const void *q,               /* sequence s, head h at q + s * q_row_stride + h * head_dim */
@@ -301,6 +302,18 @@ int mmkit_paged_decode_attention(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_items = num_seqs * num_kv_heads;
     int failed = 0;
+#ifdef MMKIT_KERNEL_CHECKS
+    /* Every block a context reads must exist, before any thread reads one. */
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = context_lens[s];
+        if (len < 1 || len > max_blocks * block_size) return 2;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+            const int64_t id = block_ids[s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return 2;
+        }
+    }
+#endif
 
     /* A small batch (a few short sequences) runs on the calling thread: waking OpenMP's
      * sleeping worker (OMP_WAIT_POLICY=PASSIVE) costs more than its share of the work. */

@@ -49,3 +49,12 @@ int64_t mmkit_argmax_rows(const void *logits, int64_t num_rows, int64_t vocab, i
     }
     return nan_rows;
 }
+
+/* 1 when this build contains the AVX-512 code paths (tests check the generic build's). */
+int mmkit_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

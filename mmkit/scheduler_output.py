@@ -1,0 +1,80 @@
+"""The immutable description of one engine step, from the scheduler to the model runner.
+
+vLLM v1's split: the scheduler owns requests and their counters (`mmkit/engine/`); the
+runner (`mmkit/worker/`) sees only these frozen records and keeps its own per-sequence
+cache (`mmkit/worker/seq_state.py`), updated from them at the start of each step. The unit
+is a sequence (one of a request's `n` samples), named by `seq_id`.
+
+- `NewSeqData`: a sequence the runner has not seen (or must rebuild): everything it needs.
+- `CachedSeqData`: a sequence the runner knows: new blocks and the computed-token count
+  (the runner appends the tokens it samples itself).
+- `finished_seq_ids`: sequences whose runner state can be dropped.
+- `num_scheduled_tokens`: seq_id -> tokens to compute this step, in schedule order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from mmkit.inputs import ImageItem
+from mmkit.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EncoderInput:
+    """One item the runner encodes in this step and stores under `key`."""
+
+    request_id: str
+    key: str
+    item: ImageItem | None  # a raw image: the processor builds its model inputs
+    embeds: torch.Tensor | None  # or embeddings given by the user, [num_tokens, hidden]
+    num_tokens: int  # rows expected (the item's placeholder range length)
+
+
+@dataclass(frozen=True)
+class NewSeqData:
+    seq_id: int
+    request_id: str
+    sample_index: int  # which of the request's n samples
+    token_ids: tuple[int, ...]  # prompt + tokens generated so far (a fork or a rebuild)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int  # of this sample's generator (the runner keeps an existing one)
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    placeholder_ranges: tuple[tuple[int, int], ...] = ()
+    encoder_keys: tuple[str, ...] = ()  # encoder-cache key of each item
+    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] (SupportsMRoPE)
+    mrope_position_delta: int = 0
+    # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their
+    # first tokens come from this sequence's last prompt row (see engine/sequence.py).
+    pending_forks: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class CachedSeqData:
+    seq_id: int
+    new_block_ids: tuple[int, ...]  # appended to its block table
+    replaced_blocks: tuple[tuple[int, int], ...]  # (index, block id): copy-on-write targets
+    num_computed_tokens: int
+    resumed: bool = False  # after preemption: `new_block_ids` is the whole table
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_seqs: tuple[NewSeqData, ...] = ()
+    cached_seqs: tuple[CachedSeqData, ...] = ()
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # in schedule order
+    finished_seq_ids: frozenset[int] = frozenset()
+    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), before the forward
+    encoder_inputs: tuple[EncoderInput, ...] = ()  # to encode, in order
+    free_encoder_keys: tuple[str, ...] = ()  # entries the runner drops (before encoding)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
