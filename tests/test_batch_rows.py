@@ -73,3 +73,13 @@ def test_row_params_ignores_arrow_nulls_and_keeps_the_default():
     assert row_params("", {}, None) == SamplingParams()
     with pytest.raises(TypeError, match="sampling_params: got str"):
         row_params("", {"sampling_params": "greedy"}, None)
+
+
+def test_import_mmkit_stays_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, mmkit, mmkit.batch_rows, mmkit.cli; mmkit.cli.build_parser(); "
+            "print(sorted(m for m in ('ray', 'pyarrow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

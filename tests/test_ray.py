@@ -175,3 +175,9 @@ def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
         for key in ("answer", "correct", "reference", "type"):
             assert ray_run[i][key] == single[i][key], (i, key)
     assert ray_run[7]["error"].startswith("item 7 (<bytes>): image[0]") and "not an image" in ray_run[7]["error"]
+    # Hugging Face datasets' Image feature ({bytes, path} structs): the same rows reach the replicas.
+    hf = table.set_column(0, "image", pa.array([{"bytes": b, "path": None} for b in images]))
+    pq.write_table(hf, tmp_path / "hf.parquet", row_group_size=3)
+    hf_data = EvalData(str(tmp_path / "hf.parquet"))
+    rows = hf_data.dataset(hf_data.items[2:]).take_all()
+    assert [r["index"] for r in rows] == list(range(2, 10)) and [r["image"] for r in rows] == images[2:]
