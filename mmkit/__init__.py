@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "mmkit.llm",
     "SamplingParams": "mmkit.sampling_params",
+    "StructuredOutputsParams": "mmkit.sampling_params",
     "MultiModalData": "mmkit.inputs",
     "TextPrompt": "mmkit.inputs",
     "TokensPrompt": "mmkit.inputs",
@@ -50,4 +51,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmkit.inputs import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
     from mmkit.llm import LLM
     from mmkit.outputs import CompletionOutput, Logprob, RequestOutput
-    from mmkit.sampling_params import SamplingParams
+    from mmkit.sampling_params import SamplingParams, StructuredOutputsParams

@@ -41,18 +41,17 @@ def error_output(message: str) -> RowOutput:
 
 
 def choices_params(params: SamplingParams, choices: list[str], where: str) -> SamplingParams:
-    """`params` constrained to answer exactly one of `choices` (structured outputs).
+    """`params` constrained to answer exactly one of `choices` (structured outputs), after one
+    optional space that `_ok_output` drops (chat models answer " red", not "red"); the grammar
+    bounds the length, so `max_tokens` is lifted. The same constraint as `mmkit eval`'s choices.
 
-    NOTE: the one place that knows how structured outputs are spelled; replace at merge time
-    if `StructuredOutputsParams` lands with another shape.
+    NOTE: the one place that knows how structured outputs are spelled.
     """
-    import mmkit.sampling_params as sp_module
-
-    structured = getattr(sp_module, "StructuredOutputsParams", None)
-    if structured is None or "structured_outputs" not in {f.name for f in dataclasses.fields(params)}:
-        raise ValueError(f"{where}choices: got {choices!r:.80}; this build of mmkit has no structured outputs "
-                         "(choices needs structured outputs: mmkit.sampling_params.StructuredOutputsParams)")
-    return params.clone(structured_outputs=structured(choice=list(choices)))
+    try:
+        from mmkit.evaluation import choice_params
+    except ImportError as exc:  # pragma: no cover - a build without structured outputs
+        raise ValueError(f"{where}choices: this build of mmkit has no structured outputs ({exc})") from exc
+    return choice_params(params, choices)
 
 
 def row_params(where: str, row: dict[str, Any], default: SamplingParams | None) -> SamplingParams:
@@ -222,7 +221,8 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
                 continue
             for out in outputs:
                 if out.finished and out.request_id in pending:
-                    results[pending.pop(out.request_id)] = _ok_output(out)
+                    i = pending.pop(out.request_id)
+                    results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)
             if pending and not engine.has_unfinished_requests():
                 fail(list(pending), RuntimeError("the engine lost these requests"))
     except BaseException:
@@ -232,9 +232,10 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
     return results  # type: ignore[return-value]
 
 
-def _ok_output(out) -> RowOutput:
+def _ok_output(out, has_choices: bool = False) -> RowOutput:
     completion = out.outputs[0]
-    return RowOutput(generated_text=completion.text, generated_tokens=list(completion.token_ids),
+    text = completion.text.removeprefix(" ") if has_choices else completion.text
+    return RowOutput(generated_text=text, generated_tokens=list(completion.token_ids),
                      finish_reason=completion.finish_reason, num_input_tokens=len(out.prompt_token_ids),
                      num_generated_tokens=len(completion.token_ids), error=None)
 

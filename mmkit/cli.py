@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p = sub.add_parser("eval", help="evaluate a JSONL/CSV dataset of image+question(+answer)",
                        description="Evaluate DATA (JSONL or CSV with columns image, question, optional "
-                                   "answer and type; image paths relative to DATA). Resumable.")
+                                   "answer, type and choices; image paths relative to DATA). An item with "
+                                   "choices is answered with exactly one of them (structured outputs) and "
+                                   "scored by exact match. Resumable.")
     p.add_argument("data", metavar="DATA")
     p.add_argument("--output", required=True, metavar="RESULTS.jsonl", help="one JSON line per item")
     p.add_argument("--summary", default=None, help="summary JSON (default: RESULTS.summary.json)")

@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Placeholder tokens of items encoded per step (vLLM's encoder compute budget); 0 = the
+    # token budget. One item larger than this is still encoded alone.
+    max_num_encoder_input_tokens: int = 0
 
 
 @dataclass(frozen=True)

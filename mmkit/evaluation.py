@@ -27,6 +27,9 @@ class EvalItem:
     question: str
     answers: list[str] | None
     qtype: str | None
+    # Optional multiple-choice options: the answer is constrained to exactly one of them
+    # (structured outputs) and scored by exact match.
+    choices: list[str] | None = None
 
 
 def normalize_answer(text: str) -> str:
@@ -39,7 +42,8 @@ def is_correct(answer: str, references: list[str]) -> bool:
 
 
 def read_dataset(path: str | Path) -> list[EvalItem]:
-    """JSONL or CSV with `image`, `question`, optional `answer` (JSONL: str or list) and `type`."""
+    """JSONL or CSV with `image`, `question`, optional `answer` (JSONL: str or list), `type` and
+    `choices` (JSONL: a list of strings; CSV: a JSON list or `|`-separated options)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"DATA: {str(path)!r} does not exist")
@@ -80,8 +84,46 @@ def items_from_rows(rows: Iterable[dict[str, Any]], name: str, base: Path,
         qtype = row.get("type") or None
         image = row[image_column] if image_column else "<bytes>"
         items.append(EvalItem(i, image, (base / image), row["question"], answers,
-                              str(qtype) if qtype is not None else None))
+                              str(qtype) if qtype is not None else None,
+                              _read_choices(row.get("choices"), f"DATA: {name} item {i}")))
     return items
+
+
+def _read_choices(value: Any, where: str) -> list[str] | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, str):  # a CSV cell
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: choices: got {value!r}, not a JSON list ({exc})") from exc
+        else:
+            value = [c.strip() for c in text.split("|")]
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise ValueError(f"{where}: choices: got {value!r}; expected a non-empty list of non-empty strings")
+    return value
+
+
+def params_for(item: EvalItem, params):
+    """The item's sampling params: constrained to its choices when it has some.
+
+    NOTE: one optional space may precede the option. Chat models answer after "ASSISTANT:"
+    with a space-prefixed token (" red" is one token, "red" two rare ones); forbidding that
+    space pushes them off their distribution. The space is stripped before scoring. The
+    grammar bounds the length, so max_tokens is lifted (a cut-off option would score wrong).
+    """
+    return choice_params(params, item.choices) if item.choices else params
+
+
+def choice_params(params, choices: list[str]):
+    """`params` constrained to one of `choices`, after one optional space (see `params_for`)."""
+    from mmkit.sampling_params import StructuredOutputsParams
+    from mmkit.structured_outputs.spec import choice_ebnf
+
+    grammar = choice_ebnf(choices).replace("root ::= ", 'root ::= " "? (', 1) + ")"
+    return params.clone(max_tokens=None, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 
 class ResultsFile:
@@ -147,11 +189,15 @@ class ResultsFile:
 def make_record(item: EvalItem, answer: str | None, error: str | None) -> dict[str, Any]:
     correct = exact = None
     if answer is not None and item.answers:
-        correct = is_correct(answer, item.answers)
         exact = answer in item.answers
-    return {"index": item.index, "image": item.image, "question": item.question, "type": item.qtype,
-            "answer": answer, "reference": item.answers, "correct": correct, "exact_match": exact,
-            "error": error}
+        # Multiple choice is scored by exact match: the answer is one of the options verbatim.
+        correct = exact if item.choices else is_correct(answer, item.answers)
+    record = {"index": item.index, "image": item.image, "question": item.question, "type": item.qtype,
+              "answer": answer, "reference": item.answers, "correct": correct, "exact_match": exact,
+              "error": error}
+    if item.choices:
+        record["choices"] = item.choices
+    return record
 
 
 @dataclass
@@ -238,7 +284,7 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
                 rid = f"eval-{item.index}"
                 try:
                     parsed = parse_prompt(item.index, build_inputs(item))
-                    processed, sp = engine.process_request(rid, parsed, params)
+                    processed, sp = engine.process_request(rid, parsed, params_for(item, params))
                 except (ValueError, TypeError) as exc:
                     results.write(make_record(item, None, str(exc)))
                     bar.update(1)
@@ -260,7 +306,8 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
             for out in outputs:
                 if out.finished and out.request_id in in_flight:
                     item = in_flight.pop(out.request_id)
-                    results.write(make_record(item, out.outputs[0].text.strip(), None))
+                    text = out.outputs[0].text
+                    results.write(make_record(item, text.removeprefix(" ") if item.choices else text.strip(), None))
                     bar.update(1)
     except BaseException:
         engine.abort_request(list(in_flight))

@@ -1,8 +1,15 @@
-"""Content hashes: images (for the encoder cache and prefix-cache keys) and KV blocks."""
+"""Content hashes: images (for the encoder cache and prefix-cache keys) and KV blocks.
+
+SHA-256 over bytes with a fixed layout (little-endian integers): the same content gives
+the same key in every process and on every machine (Ray replicas, restarts), unlike
+Python's salted `hash()`, and keys cannot be collided on purpose (vLLM moved its prefix
+cache to SHA-256 for CVE-2025-25183).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import torch
 
@@ -15,22 +22,31 @@ def image_content_hash(item: ImageItem) -> str:
     A float tensor, the equal uint8 tensor and the equal PIL image hash alike.
     """
     img = item.to_pil()
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()
     h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
     h.update(img.tobytes())
     return h.hexdigest()
 
 
 def embeds_content_hash(embeds: torch.Tensor) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()
     h.update(f"embeds:{tuple(embeds.shape)}:{embeds.dtype}:".encode())
     h.update(embeds.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...], extra: tuple) -> int:
-    """A full block's key: its parent's hash, its tokens and the images it covers."""
-    return hash((parent, token_ids, extra))
+_ROOT = bytes(32)  # the parent of a sequence's first block
+
+
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...] | list[int],
+               extra: tuple[tuple[str, int], ...]) -> bytes:
+    """A full block's key (32 bytes): its parent's key, its tokens and, per image it covers,
+    the image's content hash and the offset into the image."""
+    h = hashlib.sha256(parent or _ROOT)
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    for image_hash, offset in extra:
+        h.update(struct.pack("<I", len(image_hash)) + image_hash.encode() + struct.pack("<q", offset))
+    return h.digest()
 
 
 def update_block_hashes(seq, block_size: int) -> None:
@@ -48,4 +64,4 @@ def update_block_hashes(seq, block_size: int) -> None:
             extra = tuple((image_hashes[j], max(start, off) - off)
                           for j, (off, length) in enumerate(ranges) if off < end and start < off + length)
         parent = hashes[-1] if hashes else None
-        hashes.append(block_hash(parent, tuple(seq.token_ids[start:end]), extra))
+        hashes.append(block_hash(parent, seq.token_ids[start:end], extra))

@@ -22,7 +22,7 @@ import pyarrow.fs
 
 from mmkit.evaluation import EvalItem, ResultsFile, Summary, items_from_rows, make_record, parse_rows, summarize
 
-_LIGHT_COLUMNS = ("question", "answer", "type")
+_LIGHT_COLUMNS = ("question", "answer", "type", "choices")
 _CHUNK_ROWS = 256
 
 
@@ -82,7 +82,7 @@ class EvalData:
 
         if not self.binary_images:
             return ray.data.from_items([{"index": it.index, "messages": question_messages(it.question),
-                                         "image": self.image_source(it)} for it in todo])
+                                         "image": self.image_source(it), "choices": it.choices} for it in todo])
         wanted = {it.index: it for it in todo}
         refs, start = [], 0
         # NOTE: the same pyarrow dataset, in the same order, as the light pass: row i is item i.
@@ -96,6 +96,7 @@ class EvalData:
                     "index": pa.array([start + i for i in keep], pa.int64()),
                     "messages": pa.array([question_messages(wanted[start + i].question) for i in keep]),
                     "image": images.take(pa.array(keep)).cast(pa.binary()),
+                    "choices": pa.array([wanted[start + i].choices for i in keep], pa.list_(pa.string())),
                 })))
             start += len(images)
         if not refs:
@@ -131,7 +132,9 @@ def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | Non
                 if row["error"] is not None:
                     results.write(make_record(item, None, f"item {item.index} ({item.image}): {row['error']}"))
                 else:
-                    results.write(make_record(item, row["generated_text"].strip(), None))
+                    # A choices answer is one option verbatim (the replica dropped its leading space).
+                    text = row["generated_text"]
+                    results.write(make_record(item, text if item.choices else text.strip(), None))
                     num_input += row["num_input_tokens"]
                     num_generated += row["num_generated_tokens"]
                 num_done += 1

@@ -1,12 +1,119 @@
-"""SamplingParams: vLLM's names and meanings, validated at construction."""
+"""SamplingParams and StructuredOutputsParams: vLLM's names and meanings, validated at construction."""
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+_KINDS = ("choice", "regex", "json", "json_object", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `structured_outputs`), exactly one of:
+
+    - `choice`: a list of strings; the output is exactly one of them.
+    - `regex`: the output fully matches the regular expression.
+    - `json`: a JSON schema (dict, JSON string, or a pydantic model class); the output parses
+      and validates against it.
+    - `json_object=True`: any JSON object.
+    - `grammar`: a context-free grammar, xgrammar's EBNF (`root ::= ...`) or Lark.
+
+    `disable_any_whitespace` (default True) makes JSON compact (`json.dumps` separators, no
+    free whitespace), so a weak model cannot loop on spaces; False allows any whitespace.
+    EOS is allowed exactly when the output is complete. Validated at construction: a bad
+    regex, schema or grammar, an empty choice list or two kinds at once is a ValueError
+    naming the field.
+    """
+
+    json: str | dict | Any | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        if not given:
+            raise ValueError("StructuredOutputsParams: got no constraint; expected exactly one of "
+                             + ", ".join(_KINDS))
+        if len(given) > 1:
+            raise ValueError(f"StructuredOutputsParams: got {' and '.join(given)} at once; expected exactly "
+                             f"one of {', '.join(_KINDS)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"disable_any_whitespace: got {self.disable_any_whitespace!r}; expected True or False")
+        self._spec = self._build_spec(given[0])
+        from mmkit.structured_outputs import spec as spec_lib  # imports xgrammar lazily
+
+        error = spec_lib.check(self._spec)
+        if error is not None:
+            raise ValueError(f"{given[0]}: got {_short(getattr(self, given[0]))}; xgrammar rejects it: {error}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: choice, regex, json, json_object or grammar."""
+        return next(k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+
+    @property
+    def spec(self):
+        """The normalized `GrammarSpec` (kind, text, whitespace): the compile-cache key."""
+        return self._spec
+
+    def _build_spec(self, kind: str):
+        from mmkit.structured_outputs.spec import JSON_OBJECT_SCHEMA, GrammarSpec, choice_ebnf, is_lark
+
+        any_ws = not self.disable_any_whitespace
+        if kind == "choice":
+            if not isinstance(self.choice, (list, tuple)):
+                raise ValueError(f"choice: got {self.choice!r} ({type(self.choice).__name__}); expected a "
+                                 "non-empty list of strings")
+            if not self.choice:
+                raise ValueError("choice: got an empty list; expected at least one string")
+            for i, c in enumerate(self.choice):
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"choice[{i}]: got {c!r}; expected a non-empty string")
+            self.choice = list(self.choice)
+            return GrammarSpec("choice", choice_ebnf(self.choice), any_ws)
+        if kind == "json_object":
+            if self.json_object is not True:
+                raise ValueError(f"json_object: got {self.json_object!r}; expected True")
+            return GrammarSpec("json", JSON_OBJECT_SCHEMA, any_ws)
+        if kind == "json":
+            return GrammarSpec("json", _schema_text(self.json), any_ws)
+        value = getattr(self, kind)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{kind}: got {_short(value)} ({type(value).__name__}); expected a non-empty string")
+        if kind == "regex":
+            return GrammarSpec("regex", value, any_ws)
+        return GrammarSpec("lark" if is_lark(value) else "grammar", value, any_ws)
+
+
+def _schema_text(schema: Any) -> str:
+    """The schema as JSON text (property order kept: it is the order of the generated keys)."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            parsed = _json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"json: got a string that is not JSON ({exc}); expected a JSON schema") from exc
+        schema = parsed
+    if not isinstance(schema, dict):
+        raise ValueError(f"json: got {_short(schema)} ({type(schema).__name__}); expected a JSON schema "
+                         "(a dict, a JSON string or a pydantic model class)")
+    try:
+        return _json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json: the schema is not JSON-serializable: {exc}") from exc
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -37,6 +144,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -85,6 +193,9 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: got {getattr(self, name)!r}; expected True or False")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs: got {type(self.structured_outputs).__name__}; expected "
+                            "StructuredOutputsParams or None")
 
     # ------------------------------------------------------------------ helpers
     @property

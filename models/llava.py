@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
 from transformers import AutoModel
 from transformers.activations import ACT2FN
 
+from mmkit.config import _image_seq_length
 from mmkit.layers.attention import AttentionMetadata
+from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
 from mmkit.models.weight_utils import load_weights
 
@@ -30,6 +33,10 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
+    """LLaVA-1.5: a fixed number of tokens per image (`SupportsMultiModal`)."""
+
+    supports_multimodal: ClassVar[bool] = True
+
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -52,9 +59,23 @@ class LlavaForConditionalGeneration(nn.Module):
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and
         LM head). Returns the number of packed linears (0 on CUDA and in float32)."""
+        self.language_model.rotary.float()  # the table stays float32 (cast per use), like HF
         return pack_linears(self.language_model) + pack_linears(self.lm_head)
 
-    # ------------------------------------------------------------------ vision
+    # ------------------------------------------------------------------ multimodal interface
+    @classmethod
+    def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
+                                   image_processor: Any = None) -> int:
+        """Every image becomes `image_seq_length` tokens whatever its size (it is resized)."""
+        return _image_seq_length(hf_config)
+
+    def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
+        """Items {"pixel_values": [1, 3, H, W]} -> one [image_seq_length, hidden] each (batched)."""
+        if not items:
+            return []
+        pixel_values = torch.cat([item["pixel_values"] for item in items])
+        return list(self.encode_images(pixel_values.to(self.multi_modal_projector.linear_1.weight.dtype)))
+
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, image_seq_length, text_hidden] (after the projector)."""
         layer = self.config.vision_feature_layer

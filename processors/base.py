@@ -1,12 +1,15 @@
-"""The typed result of input processing, carried by a request from `add_request` to the runner."""
+"""The typed result of input processing, carried by a request from `add_request` to the
+runner, and what a family's input processor provides."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from mmkit.inputs import ImageItem
+from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 
 
 @dataclass
@@ -14,15 +17,31 @@ class ProcessedPrompt:
     index: int
     prompt: str | None
     prompt_token_ids: list[int]
-    # (offset, length) of each image's placeholder run in prompt_token_ids, in image order.
-    placeholder_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # One range per item, in item order: the positions its embedding rows replace.
+    placeholder_ranges: list[PlaceholderRange] = field(default_factory=list)
     images: list[ImageItem] = field(default_factory=list)
-    image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden] given by the user
+    # Embeddings given by the user, one [num_tokens_i, hidden] per item (a [N, L, hidden]
+    # tensor is N items); they skip the vision tower.
+    image_embeds: torch.Tensor | None = None
+    # M-RoPE models only (see mmkit.models.interfaces.SupportsMRoPE): [3, num_prompt_tokens]
+    # positions and the offset of generated tokens (position = index + delta).
+    mrope_positions: torch.Tensor | None = None
+    mrope_position_delta: int = 0
 
-    @property
-    def num_images(self) -> int:
-        return len(self.placeholder_ranges)
 
-    @property
-    def has_images(self) -> bool:
-        return bool(self.placeholder_ranges)
+class InputProcessor(Protocol):
+    """What the engine calls on a family's processor (`processors/<family>.py`)."""
+
+    tokenizer: Any
+    hf_processor: Any
+    chat_template: str | None
+
+    def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
+        """Cheap and up front (every prompt of a call is validated before any is added):
+        token ids with placeholders expanded, placeholder ranges, M-RoPE positions."""
+        ...
+
+    def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
+        """At scheduling time (when the scheduler schedules the item's encoding): the item's
+        model inputs for `embed_multimodal`. A failure here fails that request alone."""
+        ...

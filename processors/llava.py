@@ -6,21 +6,24 @@ call is validated up front); pixel values are computed only when the request is 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
 from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.models.registry import get_model_class
 from mmkit.processors.base import ProcessedPrompt
 
 
 class LlavaInputProcessor:
+    """LLaVA-1.5's `InputProcessor`: `image_seq_length` placeholder tokens per image."""
+
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
         self.model_config = model_config
         self.image_token_id = model_config.image_token_id
-        self.image_seq_length = model_config.image_seq_length
         self.max_images = int(limit_mm_per_prompt.get("image", 8))
         try:
             processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
@@ -37,6 +40,9 @@ class LlavaInputProcessor:
         self.image_processor = image_processor
         self.chat_template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         self.vocab_size = model_config.vocab_size
+        # The model decides how many placeholder tokens an image takes (a constant for LLaVA-1.5).
+        model_cls = get_model_class(model_config.architecture)
+        self.image_seq_length = model_cls.get_num_placeholder_tokens(model_config.hf_config, (0, 0), image_processor)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
@@ -77,13 +83,13 @@ class LlavaInputProcessor:
     def _placeholder_name(self) -> str:
         return getattr(self.hf_processor, "image_token", None) or "<image>"
 
-    def _expand(self, where: str, ids: list[int], allow_expanded: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    def _expand(self, where: str, ids: list[int], allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:
         """Expand each image token to `image_seq_length` copies; return ids and ranges."""
         if self.image_token_id is None or self.image_token_id not in ids:
             return ids, []
         n = self.image_seq_length
         out: list[int] = []
-        ranges: list[tuple[int, int]] = []
+        ranges: list[PlaceholderRange] = []
         i = 0
         while i < len(ids):
             if ids[i] != self.image_token_id:
@@ -103,7 +109,7 @@ class LlavaInputProcessor:
                     f"token per image or runs of exactly {n} per image"
                 )
             for _ in range(num_images):
-                ranges.append((len(out), n))
+                ranges.append(PlaceholderRange(len(out), n))
                 out.extend([self.image_token_id] * n)
             i += run
         return out, ranges
@@ -117,11 +123,11 @@ class LlavaInputProcessor:
             )
 
     # ------------------------------------------------------------------ at scheduling time
+    def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
+        return {"pixel_values": self.pixel_values([item])}  # [1, 3, H, W]
+
     def pixel_values(self, images: list[ImageItem]) -> torch.Tensor:
         """Raw images -> normalized pixel values [N, 3, H, W] (HF image processor)."""
         pil_images = [item.to_pil() for item in images]
         out = self.image_processor(images=pil_images, return_tensors="pt")
         return out["pixel_values"]
-
-    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
-        return self.tokenizer.decode(token_ids, **kwargs)

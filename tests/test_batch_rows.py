@@ -36,7 +36,8 @@ def test_rows_match_generate_and_bad_rows_carry_errors(tiny_ckpt, tmp_path):
         {"prompt": "Hi", "sampling_params": {"max_tokns": 3}},
         {"prompt": PROMPT},  # a placeholder and no image
         {"image": png_bytes(1)},
-        {"prompt": "Hi", "choices": ["yes", "no"]},
+        {"prompt": "Hi", "choices": []},
+        {"prompt": "Hi there", "choices": ["yes", "no", "a circle"]},
     ]
     outs = run_rows(llm, rows, GREEDY, max_in_flight=3)
     assert len(outs) == len(rows) and all(set(o) == set(OUTPUT_COLUMNS) for o in outs)
@@ -61,8 +62,16 @@ def test_rows_match_generate_and_bad_rows_carry_errors(tiny_ckpt, tmp_path):
     assert "max_tokns" in errors[3] and "unknown field" in errors[3]
     assert "placeholder" in errors[4]
     assert "neither of 'prompt' and 'messages'" in errors[5]
-    assert "choices" in errors[6] and "structured outputs" in errors[6]
-    for o in outs[5:]:
+    assert errors[6].startswith("choices: got []; expected a non-empty list")
+    # choices: constrained to one option verbatim (structured outputs; a leading space is dropped),
+    # with the same tokens as LLM.generate under `mmkit eval`'s choice constraint.
+    from mmkit.evaluation import choice_params
+
+    constrained = llm.generate("Hi there", choice_params(GREEDY, ["yes", "no", "a circle"]), use_tqdm=False)[0]
+    assert outs[-1]["error"] is None and outs[-1]["generated_text"] in ("yes", "no", "a circle")
+    assert outs[-1]["generated_tokens"] == list(constrained.outputs[0].token_ids)
+    assert outs[-1]["generated_text"] == constrained.outputs[0].text.removeprefix(" ")
+    for o in outs[5:-1]:
         assert o["generated_text"] is None and o["num_generated_tokens"] is None
     assert not llm.llm_engine.has_unfinished_requests()
 

@@ -156,12 +156,15 @@ def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
         questions.append(f"What is in picture {i}?")
     images[7] = b"not an image at all"
     (tmp_path / "img" / "7.png").write_bytes(images[7])
+    choices = [["a", "b c"] if i % 3 == 0 else None for i in range(10)]  # multiple choice (structured outputs)
     table = pa.table({"image": pa.array(images, pa.binary()), "question": questions,
-                      "answer": ["a", "b"] * 5, "type": ["t1", "t2"] * 5})
+                      "answer": ["a", "b"] * 5, "type": ["t1", "t2"] * 5,
+                      "choices": pa.array(choices, pa.list_(pa.string()))})
     pq.write_table(table, tmp_path / "data.parquet", row_group_size=4)
     jsonl = tmp_path / "data.jsonl"
     jsonl.write_text("".join(json.dumps({"image": f"img/{i}.png", "question": questions[i], "answer": ["a", "b"][i % 2],
-                                         "type": ["t1", "t2"][i % 2]}) + "\n" for i in range(10)))
+                                         "type": ["t1", "t2"][i % 2], "choices": choices[i]}) + "\n"
+                             for i in range(10)))
     assert main(["eval", str(jsonl), "--output", str(tmp_path / "single.jsonl"), "--model", str(tiny_ckpt),
                  "--dtype", "float32", "--max-tokens", "4", "--no-progress"]) == 0
     results = ResultsFile(tmp_path / "pq.jsonl")
@@ -172,8 +175,9 @@ def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
     single, ray_run = read_results(tmp_path / "single.jsonl"), read_results(tmp_path / "pq.jsonl")
     assert sorted(ray_run) == list(range(10)) and summary.num_errors == 1
     for i in range(10):
-        for key in ("answer", "correct", "reference", "type"):
-            assert ray_run[i][key] == single[i][key], (i, key)
+        for key in ("answer", "correct", "reference", "type", "choices"):
+            assert ray_run[i].get(key) == single[i].get(key), (i, key)
+    assert all(ray_run[i]["answer"] in ("a", "b c") for i in (0, 3, 6, 9))
     assert ray_run[7]["error"].startswith("item 7 (<bytes>): image[0]") and "not an image" in ray_run[7]["error"]
     # Hugging Face datasets' Image feature ({bytes, path} structs): the same rows reach the replicas.
     hf = table.set_column(0, "image", pa.array([{"bytes": b, "path": None} for b in images]))

@@ -31,8 +31,8 @@ class BlockManager:
         # them still carry a hash and can be revived by a prefix-cache hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.ref_counts: list[int] = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # SHA-256 block key -> block id
         self.num_cache_queries = 0  # tokens looked up
         self.num_cache_hits = 0  # tokens found
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from mmkit.config import EngineArgs, EngineConfig
 from mmkit.engine import detokenizer, output_builder
 from mmkit.engine.block_manager import BlockManager, blocks_needed
+from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.inputs import ParsedPrompt, parse_prompt
@@ -17,6 +19,8 @@ from mmkit.outputs import RequestOutput
 from mmkit.processors import ProcessedPrompt, get_input_processor
 from mmkit.sampling_params import SamplingParams
 from mmkit.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -30,10 +34,13 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.input_processor)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
+        row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
         self.groups: dict[str, SequenceGroup] = {}
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._structured_backend = None  # xgrammar, built at the first constrained request
         self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
 
     @classmethod
@@ -54,7 +61,22 @@ class LLMEngine:
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
         processed = self.input_processor.process(parsed)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
+        if params.structured_outputs is not None:
+            try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
+                self.structured_backend.compile(params.structured_outputs)
+            except ValueError as exc:
+                raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): {exc}") from exc
         return processed, params
+
+    @property
+    def structured_backend(self):
+        """The engine's xgrammar backend (tokenizer info built once, compiled-grammar cache)."""
+        if self._structured_backend is None:
+            from mmkit.structured_outputs.backend import StructuredOutputBackend
+
+            vocab_size = self.config.model.hf_config.get_text_config().vocab_size
+            self._structured_backend = StructuredOutputBackend(self.tokenizer, vocab_size, self.eos_token_ids)
+        return self._structured_backend
 
     def _check_fits(self, request_id: str, index: int, num_tokens: int) -> None:
         max_len = self.config.scheduler.max_model_len
@@ -89,6 +111,8 @@ class LLMEngine:
         seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
                          num_prompt_tokens=len(processed.prompt_token_ids),
                          generator=self._generator(params, i)) for i in range(params.n)]
+        if params.structured_outputs is not None:  # the n - 1 others fork it (see _fork)
+            seqs[0].structured = self.structured_backend.new_request(params.structured_outputs)
         group.seqs = seqs[:1]
         group.pending_forks = seqs[1:]
         seqs[0].num_pending_forks = params.n - 1
@@ -110,7 +134,6 @@ class LLMEngine:
             group = self.groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort_group(group)
-                group.image_embeds = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -127,18 +150,18 @@ class LLMEngine:
             try:
                 result = self.model_runner.execute_model(sched)
             except BaseException:
-                self.block_manager.forget(sched.published_blocks)
+                self.scheduler.step_failed(sched)
                 raise
             for s in sched.scheduled:
                 s.seq.num_computed_tokens = s.end
                 touched[s.seq.group.request_id] = s.seq.group
+            self.scheduler.finish_step(sched)
             self._postprocess(result, sched)
         outputs = []
         for rid, group in touched.items():
             outputs.append(output_builder.build_output(group))
             if group.is_finished and self.groups.get(rid) is group:
                 del self.groups[rid]
-                group.image_embeds = None
                 self.stats["num_requests_finished"] += 1
         return outputs
 
@@ -163,6 +186,8 @@ class LLMEngine:
                 new_chars = len(detokenizer.decode_incrementally(self.tokenizer, target, group.params))
                 status = output_builder.check_stop(target, self.tokenizer,
                                                    self.config.scheduler.max_model_len, new_chars)
+                if target.structured is not None and not _advance_grammar(target) and status is None:
+                    status = SequenceStatus.FINISHED_STOPPED
                 if status is not None:
                     self.scheduler.finish_seq(target, status)
             row += count
@@ -173,6 +198,8 @@ class LLMEngine:
         group.pending_forks = group.pending_forks[num_children:]
         parent.num_pending_forks = 0
         for child in children:
+            if parent.structured is not None:  # before the parent accepts this step's token
+                child.structured = parent.structured.fork()
             child.token_ids = list(parent.token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
@@ -187,11 +214,23 @@ class LLMEngine:
         metrics["num_preemptions"] = self.scheduler.num_preemptions
         metrics["prefix_cache_queries"] = self.block_manager.num_cache_queries
         metrics["prefix_cache_hits"] = self.block_manager.num_cache_hits
-        metrics["encoder_cache_hits"] = self.model_runner.encoder_cache.num_hits
-        metrics["encoder_cache_misses"] = self.model_runner.encoder_cache.num_misses
+        metrics["encoder_cache_hits"] = self.encoder_cache_manager.num_hits
+        metrics["encoder_cache_misses"] = self.encoder_cache_manager.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
         return metrics
+
+
+def _advance_grammar(seq: Sequence) -> bool:
+    """Feed the sampled token to the sequence's matcher. The mask makes a rejection impossible
+    except after the grammar terminated (EOS under ignore_eos): False ends the sequence then."""
+    token = seq.token_ids[-1]
+    if seq.structured.accept(token):
+        return True
+    if not seq.structured.is_terminated():
+        logger.warning("request %r: token %d is outside its grammar; finishing the sequence",
+                       seq.group.request_id, token)
+    return False
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> tuple[int, ...]:

@@ -6,6 +6,12 @@ for a new one (chunked when it exceeds the token budget). Running sequences go f
 blocks run out the most recently arrived running sequence is preempted (its blocks are
 freed and it is recomputed later). New requests are admitted only in steps without
 preemption, so a preempted request is not starved by newcomers.
+
+Encoder work is scheduled here too (vLLM v1): a chunk that covers an item's placeholder
+range needs the item's embedding in the runner's encoder cache. A cached item gains a
+reference; a missing one is scheduled for encoding within the step's encoder budget
+(`max_num_encoder_input_tokens`) and the cache's room (`EncoderCacheManager`); when neither
+allows it the chunk stops before that item and the item waits for a later step.
 """
 
 from __future__ import annotations
@@ -13,10 +19,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
+from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.hashing import update_block_hashes
+from mmkit.inputs import ImageItem
+
+
+@dataclass(frozen=True)
+class EncoderInput:
+    """One item the runner encodes in this step and stores under `key`."""
+
+    request_id: str
+    key: str
+    item: ImageItem | None  # a raw image: the processor builds its model inputs
+    embeds: torch.Tensor | None  # or embeddings given by the user, [num_tokens, hidden]
+    num_tokens: int  # rows expected (the item's placeholder range length)
 
 
 @dataclass
@@ -46,6 +67,8 @@ class SchedulerOutput:
     published_blocks: list[int] = field(default_factory=list)  # prefix-cache entries of this step
     # Sequences that could not get one more block even alone in the cache: finished "length".
     out_of_cache: list[Sequence] = field(default_factory=list)
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)  # to encode, in order
+    free_encoder_keys: tuple[str, ...] = ()  # entries the runner drops (before encoding)
 
     @property
     def is_empty(self) -> bool:
@@ -57,9 +80,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.encoder_cache = encoder_cache or EncoderCacheManager(0)
+        self.encoder_row_bytes = encoder_row_bytes  # bytes of one embedding row (hidden * dtype)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,6 +109,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_encoder_inputs(seq)
         seq.status = status
 
     def add_running(self, seq: Sequence) -> None:
@@ -97,6 +124,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         token_budget = self.config.max_num_batched_tokens
+        self._encoder_budget = self.config.max_num_encoder_input_tokens or token_budget
         scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -104,13 +132,82 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             if not self._make_room(seq, num_new, out, scheduled_ids):
                 continue  # `seq` itself was preempted or finished; running[i] is the next one
+            i += 1
+            num_new = self._schedule_encoder_inputs(seq, seq.num_computed_tokens, num_new, out)
+            if num_new == 0:
+                continue  # waits for room in the encoder cache or budget
             self._allocate(seq, num_new, out)
             scheduled_ids.add(seq.seq_id)
             token_budget -= num_new
-            i += 1
         if out.num_preempted == 0:
             token_budget = self._admit_waiting(out, token_budget)
+        out.free_encoder_keys = self.encoder_cache.take_freed()
         return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """After the runner computed `out`: release encoder entries whose items are fully
+        computed (vLLM frees them at the same point)."""
+        for s in out.scheduled:
+            seq = s.seq
+            ranges = seq.group.processed.placeholder_ranges
+            if ranges and seq.group.encoder_keys is not None:
+                done = seq.num_computed_tokens
+                for key, (offset, length) in zip(seq.group.encoder_keys, ranges):
+                    if offset + length <= done:
+                        self.encoder_cache.release(key, seq.seq_id)
+
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """The runner did not compute `out`: nothing it was to encode or publish exists."""
+        self.block_manager.forget(out.published_blocks)
+        self.encoder_cache.forget([e.key for e in out.encoder_inputs])
+        self.encoder_cache.requeue_freed(out.free_encoder_keys)
+
+    # ------------------------------------------------------------------ encoder inputs
+    def encoder_keys(self, group: SequenceGroup) -> list[str]:
+        """Encoder-cache key per item: its content hash (shared by equal images) or, with
+        the cache off, a key private to the request."""
+        if group.encoder_keys is None:
+            if self.encoder_cache.enabled:
+                group.encoder_keys = list(group.get_image_hashes())
+            else:
+                group.encoder_keys = [f"{group.request_id}/{i}" for i in range(len(group.processed.placeholder_ranges))]
+        return group.encoder_keys
+
+    def _schedule_encoder_inputs(self, seq: Sequence, start: int, num_new: int, out: SchedulerOutput) -> int:
+        """Reference or schedule the items chunk [start, start + num_new) covers; returns the
+        (possibly shortened) number of tokens to schedule."""
+        group = seq.group
+        ranges = group.processed.placeholder_ranges
+        if not ranges:
+            return num_new
+        end = start + num_new
+        keys = self.encoder_keys(group)
+        cache = self.encoder_cache
+        for i, (offset, length) in enumerate(ranges):
+            if offset >= end:
+                break
+            if offset + length <= start or cache.holds(seq.seq_id, keys[i]):
+                continue
+            if cache.has(keys[i]):  # cached, or scheduled earlier in this step
+                cache.add_ref(keys[i], seq.seq_id)
+                cache.num_hits += 1
+                continue
+            num_bytes = length * self.encoder_row_bytes
+            over_budget = length > self._encoder_budget and bool(out.encoder_inputs)
+            if over_budget or not cache.can_allocate(num_bytes):
+                return max(offset - start, 0)  # stop before this item
+            cache.allocate(keys[i], seq.seq_id, num_bytes)
+            self._encoder_budget -= length
+            embeds = group.processed.image_embeds
+            out.encoder_inputs.append(EncoderInput(
+                group.request_id, keys[i],
+                group.processed.images[i] if embeds is None else None,
+                embeds[i] if embeds is not None else None, length))
+        return num_new
+
+    def _release_encoder_inputs(self, seq: Sequence) -> None:
+        if seq.group is not None and seq.group.encoder_keys is not None:
+            self.encoder_cache.release_all(seq.seq_id, seq.group.encoder_keys)
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput,
                    scheduled_ids: set[int]) -> bool:
@@ -133,6 +230,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._release_encoder_inputs(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -158,8 +256,12 @@ class Scheduler:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = self._cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, token_budget)
+            start = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - start, token_budget)
             if not self.block_manager.can_allocate_with_prefix(seq, hits, num_new):
+                break
+            num_new = self._schedule_encoder_inputs(seq, start, num_new, out)
+            if num_new == 0:
                 break
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching:

@@ -15,6 +15,7 @@ from mmkit.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mmkit.processors.base import ProcessedPrompt
+    from mmkit.structured_outputs.request import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +47,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Grammar state of a constrained request (structured outputs); it has accepted every
+    # output token, so a recompute after preemption (which keeps the tokens) leaves it valid.
+    structured: "StructuredOutputRequest | None" = None
     # Detokenizer state (see mmkit/engine/detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0
@@ -53,7 +57,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key (SHA-256) of each full block
     # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
     # produces all n first tokens; the other n - 1 sequences are forked from this one.
     num_pending_forks: int = 0
@@ -94,15 +98,12 @@ class SequenceGroup:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    # Vision embeddings [num_image_tokens_total, hidden], computed at the first prefill and
-    # kept while the request lives so a recompute after preemption or a later prefill chunk
-    # does not rerun the vision tower.
-    image_embeds: torch.Tensor | None = None
     # Samples 1..n-1 before the prompt is computed: they exist (with their generators) but
     # join `seqs` only when forked from seqs[0] after its prefill.
     pending_forks: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     image_hashes: list[str] | None = None  # content hash per image, computed on first use
+    encoder_keys: list[str] | None = None  # encoder-cache key per item (set by the scheduler)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -92,6 +92,7 @@ _SIGNATURES = {
     "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
     "mmkit_argmax_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _INT], _I64),
     "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], None),
+    "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], None),
 }
 
 
@@ -181,6 +182,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     nan_rows = lib.mmkit_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
                                      _DTYPES[logits.dtype], out.data_ptr(), torch.get_num_threads())
     return out if nan_rows == 0 else None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> bool:
+    """Structured outputs: set logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in
+    `indices`. logits: [rows, vocab] float32 (rows may be strided); bitmask: [>= rows,
+    ceil(vocab / 32)] int32, xgrammar's layout. False when the kernel cannot run (untouched)."""
+    lib = library()
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or bitmask.dtype != torch.int32 or bitmask.stride(1) != 1
+            or bitmask.shape[1] * 32 < logits.shape[1]):
+        return False
+    rows = torch.tensor(indices, dtype=torch.long)
+    lib.mmkit_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                                  rows.data_ptr(), len(indices), logits.shape[1], torch.get_num_threads())
+    return True
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:

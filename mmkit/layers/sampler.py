@@ -1,19 +1,25 @@
 """Sampler: one batched pass over the step's logits.
 
-Order (vLLM's): penalties -> min_tokens EOS mask -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> softmax -> draw. Draws use each sequence's own generator
-(`probs / Exp(1)` noise, argmax), so a seeded request samples the same tokens whatever
-else is in the batch. Reported logprobs are those of the raw model distribution.
+Order (vLLM's): structured-output grammar mask -> penalties -> min_tokens EOS mask ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> softmax -> draw. Draws use each
+sequence's own generator (`probs / Exp(1)` noise, argmax), so a seeded request samples the
+same tokens whatever else is in the batch. Reported logprobs are those of the model
+distribution before penalties and filters; for a constrained row, after the grammar mask
+(the constrained distribution: forbidden tokens have logprob -inf).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmkit.layers import cpu_kernels
 from mmkit.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmkit.structured_outputs.request import StructuredOutputRequest
 
 
 @dataclass
@@ -24,6 +30,7 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    structured: "StructuredOutputRequest | None" = None  # grammar state when constrained
 
 
 @dataclass
@@ -71,7 +78,9 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     banned = []
     for r in rows:
         ids: list[int] = []
-        if len(r.output_token_ids) < r.params.min_tokens:
+        # A complete grammar allows only EOS: min_tokens cannot ban it without banning all.
+        complete = r.structured is not None and r.structured.is_completed()
+        if len(r.output_token_ids) < r.params.min_tokens and not complete:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 ids += list(r.params.eos_token_ids)
@@ -104,15 +113,19 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
     return (params.is_greedy and not params.has_penalties and not params.min_tokens
-            and params.logprobs is None)
+            and params.logprobs is None and row.structured is None)
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._grammar_bitmask = None  # built at the first constrained row (imports xgrammar)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # logits: [num_rows, vocab]; sampled in float32 whatever the model dtype.
-        if logits.device.type == "cpu" and all(_is_plain_greedy(r.params) for r in rows):
+        if logits.device.type == "cpu" and all(_is_plain_greedy(r) for r in rows):
             # Nothing to transform or report: the first maximal index of the raw logits, in one
             # pass without the float32 copy (argmax over bf16 equals argmax over its float cast).
             token_ids = cpu_kernels.argmax_rows(logits)
@@ -120,6 +133,9 @@ class Sampler:
                 return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, ranks=None, top_ids=None,
                                      top_logprobs=None)
         logits = logits.float()
+        constrained = [i for i, r in enumerate(rows) if r.structured is not None]
+        if constrained:
+            self._apply_grammar(logits, rows, constrained)
         wants = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         # The full log_softmax costs as much as the rest of greedy sampling: only when asked.
         raw_logprobs = logits.log_softmax(dim=-1) if wants else None
@@ -145,6 +161,14 @@ class Sampler:
                 out.top_ids = top.indices.tolist()
                 out.top_logprobs = top.values.tolist()
         return out
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+        """Mask forbidden tokens of the constrained rows in place (one bitmask fill per step)."""
+        if self._grammar_bitmask is None:
+            from mmkit.structured_outputs.bitmask import GrammarBitmask
+
+            self._grammar_bitmask = GrammarBitmask()
+        self._grammar_bitmask.apply(logits, [rows[i].structured.matcher for i in indices], indices)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device

@@ -1,24 +1,25 @@
 """ModelRunner: turns one `SchedulerOutput` into a forward pass and sampled tokens.
 
-`execute_model` is the one call per engine step that runs the model: batch preparation
-(input ids, positions, slot mapping, block tables), image encoding and merging on prefill,
+`execute_model` is the one call per engine step that runs the model: the encoder work the
+scheduler scheduled, batch preparation (input ids, positions, slot mapping, block tables),
+the merge of item embeddings into placeholder rows (`models/interfaces.py`),
 the decoder forward on the paged cache, the LM head on the last positions and the sampler.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from mmkit.config import EngineConfig
 from mmkit.engine.scheduler import ScheduledSeq, SchedulerOutput
-from mmkit.engine.sequence import SequenceGroup
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices, uses_mrope
 from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
@@ -59,10 +60,8 @@ class ModelRunner:
             model = model_cls(mc.hf_config, max_positions)
         model.load_checkpoint(Path(mc.path))
         self.model = model.to(dtype=self.dtype).eval()
-        # The rotary table stays float32 (cast per use), like transformers.
-        self.model.language_model.rotary.float()
-        if hasattr(self.model, "prepare_for_inference"):
-            self.model.prepare_for_inference()
+        self.model.prepare_for_inference()
+        self.uses_mrope = uses_mrope(self.model)
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
         self.sampler = Sampler()
@@ -72,12 +71,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._run_encoder(sched)
         self._copy_blocks(sched.block_copies)
         # Decode tokens (chunks of one token) first, then prefill chunks.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids, positions, slots, meta = self._prepare(order)
+        if self.uses_mrope:
+            positions = self._mrope_positions(order)
         embeds = self.model.embed_tokens(input_ids)
-        self._merge_images(order, embeds)
+        self._merge_multimodal(order, embeds)
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
         sampled, rows, row_counts, last_rows = [], [], [], []
@@ -109,10 +111,12 @@ class ModelRunner:
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = s.seq.output_token_ids if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids)]
-        # Pending forks (n > 1) draw their first token from the same logits row.
+        # NOTE: pending forks (n > 1) draw their first token from the same logits row and,
+        # not yet forked, share the parent's grammar state (all are at its start).
+        structured = s.seq.structured
+        rows = [SamplingRow(params, s.seq.generator, group.prompt_token_ids, output_ids, structured)]
         for child in group.pending_forks[: copies - 1]:
-            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids))
+            rows.append(SamplingRow(params, child.generator, group.prompt_token_ids, output_ids, structured))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
@@ -148,96 +152,79 @@ class ModelRunner:
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
-    # ------------------------------------------------------------------ images
-    def _merge_images(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
-        """Scatter vision embeddings into the placeholder rows covered by this step."""
-        needs = [s for s in order if _overlaps_images(s)]
-        if not needs:
+    # ------------------------------------------------------------------ multimodal items
+    def _run_encoder(self, sched: SchedulerOutput) -> None:
+        """Drop the entries the scheduler freed, then encode the items it scheduled.
+
+        Every item of the step goes through `embed_multimodal` in one call; results are
+        stored only when all of them succeeded (a failed step leaves no half-filled cache)."""
+        store = self.encoder_cache
+        for key in sched.free_encoder_keys:
+            store.pop(key)
+        if not sched.encoder_inputs:
             return
-        self._encode_missing([s.seq.group for s in needs])
-        dst_rows: list[torch.Tensor] = []
-        src_rows: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        base_row = 0
-        src_base = 0
-        for s in order:
-            if s in needs:
-                group = s.seq.group
-                image_base = 0
-                for offset, length in group.processed.placeholder_ranges:
-                    lo, hi = max(s.start, offset), min(s.end, offset + length)
-                    if lo < hi:
-                        dst_rows.append(torch.arange(lo - s.start, hi - s.start) + base_row)
-                        src_rows.append(torch.arange(lo - offset, hi - offset) + image_base + src_base)
-                    image_base += length
-                sources.append(group.image_embeds)
-                src_base += group.image_embeds.shape[0]
-            base_row += s.num_new_tokens
-        if dst_rows:
-            source = torch.cat(sources)
-            dst = torch.cat(dst_rows).to(self.device)
-            src = torch.cat(src_rows).to(self.device)
-            embeds.index_copy_(0, dst, source[src].to(embeds.dtype))
-
-    def _encode_missing(self, groups: list[SequenceGroup]) -> None:
-        """Fill `group.image_embeds` for groups about to prefill image tokens.
-
-        Identical images (same content hash) are encoded once per step and, through the
-        encoder cache, once across steps and calls; all misses of a step go through the
-        vision tower together.
-        """
-        cache = self.encoder_cache
-        todo: dict[str, object] = {}  # content hash (or unique key) -> ImageItem to encode
-        plans: list[tuple[SequenceGroup, list[str]]] = []
-        for g in dict.fromkeys(groups):  # unique, in order
-            if g.image_embeds is not None:
+        fresh: dict[str, torch.Tensor] = {}
+        to_encode, item_inputs = [], []
+        for e in sched.encoder_inputs:
+            if e.embeds is not None:  # given by the user: no vision tower
+                fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
-            if g.processed.image_embeds is not None:
-                g.image_embeds = g.processed.image_embeds.to(self.device, self.dtype).flatten(0, 1)
-                self._check_count(g)
-                continue
-            keys = g.get_image_hashes() if cache.enabled else [f"{g.request_id}/{i}" for i in range(len(g.processed.images))]
-            for key, item in zip(keys, g.processed.images):
-                if cache.get(key) is not None or key in todo:
-                    cache.num_hits += 1
-                else:
-                    cache.num_misses += 1
-                    todo[key] = (g, item)
-            plans.append((g, keys))
-        fresh = self._encode(todo)
-        for g, keys in plans:
-            parts = [fresh[k] if k in fresh else cache.get(k) for k in keys]
-            g.image_embeds = torch.cat(parts)  # [num_images * image_seq_length, hidden]
-            self._check_count(g)
-
-    def _encode(self, todo: dict) -> dict[str, torch.Tensor]:
-        if not todo:
-            return {}
-        pixel_values = []
-        for g, item in todo.values():
             try:
-                pixel_values.append(self.input_processor.pixel_values([item]))
+                inputs = self.input_processor.mm_item_inputs(e.item)
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
-                raise RequestError([g.request_id], f"request {g.request_id!r}: image processing failed: {exc}") from exc
-        batch = torch.cat(pixel_values).to(self.device, self.dtype)
-        features = self.model.encode_images(batch)  # [num_images, image_seq_length, hidden]
-        self.num_vision_calls += batch.shape[0]
-        fresh = {}
-        for key, feats in zip(todo, features):
-            fresh[key] = feats
-            self.encoder_cache.put(key, feats)
-        return fresh
+                raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            to_encode.append(e)
+            item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
+        if item_inputs:
+            embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
+            self.num_vision_calls += len(item_inputs)
+            fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
+        for e in sched.encoder_inputs:
+            got = fresh[e.key].shape[0]
+            if got != e.num_tokens:
+                error = ValueError(f"request {e.request_id!r}: an image produced {got} embedding rows but its "
+                                   f"placeholder range has {e.num_tokens} tokens; refusing to misalign them")
+                raise RequestError([e.request_id], str(error)) from error
+        for key, value in fresh.items():
+            store.put(key, value)
 
-    @staticmethod
-    def _check_count(g: SequenceGroup) -> None:
-        expected = sum(length for _, length in g.processed.placeholder_ranges)
-        if g.image_embeds.shape[0] != expected:
-            got = g.image_embeds.shape[0]
-            g.image_embeds = None
-            raise ValueError(
-                f"request {g.request_id!r}: the images produced {got} embedding rows but the prompt has "
-                f"{expected} image placeholder tokens; refusing to misalign them"
-            )
+    def _merge_multimodal(self, order: list[ScheduledSeq], embeds: torch.Tensor) -> None:
+        """Scatter cached item embeddings into the placeholder rows this step computes."""
+        items: list[torch.Tensor] = []
+        index: dict[str, int] = {}
+        slices: list[EmbedSlice] = []
+        row = 0
+        for s in order:
+            group = s.seq.group
+            ranges = group.processed.placeholder_ranges
+            if ranges:
+                for sl in placeholder_slices(ranges, s.start, s.end, row):
+                    key = group.encoder_keys[sl.item]
+                    if key not in index:
+                        value = self.encoder_cache.get(key)
+                        if value is None:  # pragma: no cover - the scheduler's invariant
+                            raise RuntimeError(f"request {group.request_id!r}: encoder cache entry {key!r} missing")
+                        index[key] = len(items)
+                        items.append(value)
+                    slices.append(replace(sl, item=index[key]))
+            row += s.num_new_tokens
+        merge_multimodal_embeddings(embeds, items, slices)
+
+    def _mrope_positions(self, order: list[ScheduledSeq]) -> torch.Tensor:
+        """[3, num_tokens] positions for a `SupportsMRoPE` model: the processor's rows for
+        prompt tokens, index + delta (in all three rows) for generated ones."""
+        parts = []
+        for s in order:
+            processed = s.seq.group.processed
+            table = processed.mrope_positions  # [3, num_prompt_tokens]
+            num_prompt = table.shape[1] if table is not None else 0
+            lo, hi = s.start, s.end
+            if lo < num_prompt:
+                parts.append(table[:, lo:min(hi, num_prompt)])
+            if hi > num_prompt:
+                gen = torch.arange(max(lo, num_prompt), hi) + processed.mrope_position_delta
+                parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=1).to(self.device)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -254,10 +241,3 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-def _overlaps_images(s: ScheduledSeq) -> bool:
-    for offset, length in s.seq.group.processed.placeholder_ranges:
-        if offset < s.end and s.start < offset + length:
-            return True
-    return False

@@ -1,0 +1,149 @@
+"""What a multimodal model family implements so the engine can run it unchanged.
+
+A family is two classes and two registry lines: a model class in `models/<family>.py`
+(registered in `models/registry.py`) that implements `SupportsMultiModal` (and
+`SupportsMRoPE` for 3-D rotary positions), and an input processor in
+`processors/<family>.py` (registered in `processors/__init__.py`). The engine, scheduler
+and runner never look at a family's tensors: they move
+
+- placeholder ranges (`PlaceholderRange`, decided by the processor from
+  `get_num_placeholder_tokens`) with each request,
+- one `MultiModalKwargs` dict per item (the processor's `mm_item_inputs(item)`, built when
+  the scheduler schedules the item's encoding) into `embed_multimodal`, and
+- the item embeddings it returns into the placeholder rows of a step, always through
+  `merge_multimodal_embeddings` (the one merge; it handles chunked prefill).
+
+Extra position rows (M-RoPE) are data computed by the processor when a request is added
+(`ProcessedPrompt.mrope_positions`, `[3, num_prompt_tokens]`, and `mrope_position_delta`);
+the runner slices them per step and passes `positions` of shape `[3, num_tokens]` to
+`forward` (generated token at index p gets position `p + delta` in all three rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import torch
+
+# One item's model inputs as the processor builds them, e.g. LLaVA's
+# {"pixel_values": [1, 3, H, W]} or Qwen2-VL's {"pixel_values": [patches, dim],
+# "image_grid_thw": [1, 3]}. The runner moves them to the model's device, nothing else.
+MultiModalKwargs = dict[str, torch.Tensor]
+
+
+class PlaceholderRange(NamedTuple):
+    """Prompt positions [offset, offset + length) that one item's embedding rows replace.
+
+    NOTE: `length` equals the number of rows `embed_multimodal` returns for the item
+    (checked by the runner). A NamedTuple, so `(offset, length)` tuples compare equal."""
+
+    offset: int
+    length: int
+
+
+@runtime_checkable
+class SupportsMultiModal(Protocol):
+    """A decoder model that takes item embeddings (images) merged into its token embeddings.
+
+    Called by the runner, in this order per step: `embed_multimodal` for the items the
+    scheduler scheduled for encoding, `embed_tokens`, `merge_multimodal_embeddings`,
+    `forward`, `compute_logits`.
+    """
+
+    supports_multimodal: ClassVar[bool]
+
+    @classmethod
+    def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
+                                   image_processor: Any = None) -> int:
+        """Placeholder tokens (= embedding rows) of one image of `image_size` (width, height).
+
+        Used by the family's processor when it expands placeholders; may depend on the
+        size (LLaVA-NeXT anyres, Qwen2-VL) or be a constant (LLaVA-1.5)."""
+        ...
+
+    def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
+        """One tensor per item, `[num_placeholder_tokens_i, text_hidden]` in the model dtype.
+
+        Items may have different token counts; the model batches them as it likes."""
+        ...
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden]."""
+        ...
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
+        """inputs_embeds [num_tokens, hidden]; positions [num_tokens], or [3, num_tokens] for
+        a `SupportsMRoPE` model -> hidden states [num_tokens, hidden]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        ...
+
+    def load_checkpoint(self, path: Any) -> None: ...
+
+    def prepare_for_inference(self) -> Any:
+        """Called once after the final `.to(dtype)`: pack weights, keep tables in float32."""
+        ...
+
+
+@runtime_checkable
+class SupportsMRoPE(Protocol):
+    """A model whose rotary positions have three rows (temporal, height, width).
+
+    The processor fills `ProcessedPrompt.mrope_positions` ([3, num_prompt_tokens], long) and
+    `mrope_position_delta` (int: a generated token at index p has position p + delta) when the
+    request is added, e.g. with a classmethod of the model; `forward` then gets `[3, T]`."""
+
+    uses_mrope: ClassVar[bool]
+
+
+def supports_multimodal(model: Any) -> bool:
+    return bool(getattr(model, "supports_multimodal", False))
+
+
+def uses_mrope(model: Any) -> bool:
+    return bool(getattr(model, "uses_mrope", False))
+
+
+@dataclass(frozen=True)
+class EmbedSlice:
+    """Rows [src_start, src_start + length) of item `item`'s embedding go to rows
+    [dst_start, dst_start + length) of the step's flat token embeddings."""
+
+    item: int
+    dst_start: int
+    src_start: int
+    length: int
+
+
+def placeholder_slices(ranges: Sequence[tuple[int, int]], start: int, end: int, step_row: int,
+                       item_ids: Sequence[int] | None = None) -> list[EmbedSlice]:
+    """The slices of a chunk that computes prompt positions [start, end), whose first token
+    is row `step_row` of the step. `item_ids[i]` names range i's embedding in the list later
+    given to `merge_multimodal_embeddings` (default: i). A chunk may cover part of an item
+    (chunked prefill, or a prefix-cache hit that ends inside an image)."""
+    slices = []
+    for i, (offset, length) in enumerate(ranges):
+        lo, hi = max(start, offset), min(end, offset + length)
+        if lo < hi:
+            item = item_ids[i] if item_ids is not None else i
+            slices.append(EmbedSlice(item, step_row + lo - start, lo - offset, hi - lo))
+    return slices
+
+
+def merge_multimodal_embeddings(inputs_embeds: torch.Tensor, item_embeds: Sequence[torch.Tensor],
+                                slices: Sequence[EmbedSlice]) -> torch.Tensor:
+    """Scatter item embedding rows into `inputs_embeds` ([num_tokens, hidden]) in place.
+
+    The one merge every family uses: placeholder positions come from the processor's ranges,
+    never from `input_ids == image_token_id` (a generated image token id is an ordinary token)."""
+    if not slices:
+        return inputs_embeds
+    dst = torch.cat([torch.arange(s.dst_start, s.dst_start + s.length) for s in slices])
+    rows = [item_embeds[s.item][s.src_start:s.src_start + s.length] for s in slices]
+    source = rows[0] if len(rows) == 1 else torch.cat(rows)
+    inputs_embeds.index_copy_(0, dst.to(inputs_embeds.device), source.to(inputs_embeds.dtype))
+    return inputs_embeds
