@@ -172,7 +172,7 @@ def cmd_eval_ray(args) -> int:
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
-            retry_errors=args.retry_errors, show_progress=not args.no_progress)
+            max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)
     finally:
         import ray
 

@@ -107,7 +107,7 @@ class EvalData:
 def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | None, sampling_params,
                        engine_args: dict[str, Any], concurrency: int = 1, batch_size: int = 16,
                        num_gpus_per_replica: float = 0, num_cpus_per_replica: float | None = None,
-                       retry_errors: bool = False, show_progress: bool = True) -> Summary:
+                       max_in_flight: int | None = None, retry_errors: bool = False, show_progress: bool = True) -> Summary:
     """Run the unfinished items on the Ray cluster (already initialized); write each as it arrives."""
     import ray.data
 
@@ -120,7 +120,8 @@ def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | Non
     ray.data.DataContext.get_current().enable_progress_bars = show_progress
     processor = build_processor(model, sampling_params, concurrency=concurrency, batch_size=batch_size,
                                 num_gpus_per_replica=num_gpus_per_replica,
-                                num_cpus_per_replica=num_cpus_per_replica, **engine_args)
+                                num_cpus_per_replica=num_cpus_per_replica, max_in_flight=max_in_flight,
+                                **engine_args)
     start = time.perf_counter()
     num_input = num_generated = num_done = 0
     try:

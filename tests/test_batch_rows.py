@@ -92,3 +92,26 @@ def test_import_mmkit_stays_light():
             "print(sorted(m for m in ('ray', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_build_processor_and_eval_ray_reject_bad_arguments_before_starting_ray(tmp_path, capsys):
+    pytest.importorskip("ray")
+    import ray
+
+    from mmkit.cli import main
+    from mmkit.ray import build_processor
+
+    with pytest.raises(ValueError, match="concurrency: got 0; expected an integer >= 1"):
+        build_processor(concurrency=0)
+    with pytest.raises(ValueError, match="num_cpus_per_replica: got -1"):
+        build_processor(num_cpus_per_replica=-1)
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        build_processor(max_num_sequences=4)  # an EngineArgs typo fails here, not inside an actor
+    with pytest.raises(TypeError, match="sampling_params: got dict"):
+        build_processor(None, {"max_tokens": 4})
+    assert main(["eval", str(tmp_path / "missing.parquet"), "--ray", "--output", str(tmp_path / "r.jsonl")]) == 2
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not parquet")
+    assert main(["eval", str(tmp_path / "bad.parquet"), "--ray", "--output", str(tmp_path / "r.jsonl")]) == 2
+    assert not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert "missing.parquet' does not exist" in err and "bad.parquet" in err and "Traceback" not in err
