@@ -55,8 +55,11 @@ class EvalData:
             with self.fs.open_input_stream(self.path) as f:
                 text = io.TextIOWrapper(io.BytesIO(f.read()), encoding="utf-8", newline="")
             return items_from_rows(parse_rows(text, self.name, is_csv=suffix == ".csv"), self.name, base)
-        self.parquet = pyarrow.dataset.dataset(self.path, format="parquet", filesystem=self.fs)
-        schema = self.parquet.schema
+        try:
+            self.parquet = pyarrow.dataset.dataset(self.path, format="parquet", filesystem=self.fs)
+            schema = self.parquet.schema
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"DATA: {self.name} cannot be read as Parquet ({exc})") from exc
         if "image" not in schema.names:
             raise ValueError(f"DATA: {self.name} has no 'image' column; expected columns image, question, "
                              "optional answer and type")
