@@ -198,3 +198,10 @@ def test_streaming_async_engine(tiny_ckpt, llm):
         assert len(chunks) > 3 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
         assert chunks[-1].finished and chunks[-1].outputs[0].token_ids == want.outputs[0].token_ids
         jsonschema.validate(json.loads(texts[-1]), SCHEMA)
+
+
+def test_ignore_eos_still_ends_when_the_grammar_does(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, structured_outputs=so(choice=["ab", "cd"]))
+    c = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert c.text in ("ab", "cd") and c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id

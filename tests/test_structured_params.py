@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from conftest import DEVICES
 from mmkit import SamplingParams, StructuredOutputsParams
 from mmkit.structured_outputs.openai import structured_outputs_from_openai
 
@@ -189,3 +190,20 @@ def test_cpu_bitmask_kernel_equals_xgrammar(vocab):
     xgr.apply_token_bitmask_inplace(ref, bitmask, indices=indices, vocab_size=vocab, backend="torch_native")
     assert torch.equal(ours, ref)
     assert torch.equal(ours[[1, 4]], base[[1, 4]]) and torch.isinf(ours[2]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_bitmask_on_each_device(backend, device):
+    """The sampler's mask on CPU (mmkit's C kernel or xgrammar's) and CUDA (xgrammar's kernel)."""
+    from mmkit.structured_outputs.bitmask import GrammarBitmask
+
+    be, tok = backend
+    states = [be.new_request(StructuredOutputsParams(choice=["12", "7"])),
+              be.new_request(StructuredOutputsParams(json=SCHEMA))]
+    logits = torch.randn(3, be.vocab_size, generator=torch.Generator().manual_seed(0))
+    ref = logits.clone()
+    GrammarBitmask().apply(ref, [s.matcher for s in states], [0, 2])
+    got = logits.to(device)
+    GrammarBitmask().apply(got, [s.matcher for s in states], [0, 2])
+    assert torch.equal(got.cpu(), ref) and torch.equal(ref[1], logits[1])
+    assert {tok.decode([t]) for t in torch.isfinite(ref[2]).nonzero().flatten().tolist()} == {"{"}

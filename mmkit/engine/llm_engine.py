@@ -186,7 +186,8 @@ class LLMEngine:
                 new_chars = len(detokenizer.decode_incrementally(self.tokenizer, target, group.params))
                 status = output_builder.check_stop(target, self.tokenizer,
                                                    self.config.scheduler.max_model_len, new_chars)
-                if target.structured is not None and not _advance_grammar(target) and status is None:
+                if target.structured is not None and status is None and not _advance_grammar(target):
+                    detokenizer.flush(self.tokenizer, target, group.params, drop_last=False)
                     status = SequenceStatus.FINISHED_STOPPED
                 if status is not None:
                     self.scheduler.finish_seq(target, status)
@@ -222,15 +223,15 @@ class LLMEngine:
 
 
 def _advance_grammar(seq: Sequence) -> bool:
-    """Feed the sampled token to the sequence's matcher. The mask makes a rejection impossible
-    except after the grammar terminated (EOS under ignore_eos): False ends the sequence then."""
+    """Feed the sampled token to the sequence's matcher; False when the grammar is over: EOS
+    accepted while `ignore_eos` kept the sequence going, or (only possible when min_tokens or
+    a NaN defeats the mask) a token the grammar forbids."""
     token = seq.token_ids[-1]
-    if seq.structured.accept(token):
-        return True
-    if not seq.structured.is_terminated():
+    if not seq.structured.accept(token):
         logger.warning("request %r: token %d is outside its grammar; finishing the sequence",
                        seq.group.request_id, token)
-    return False
+        return False
+    return not seq.structured.is_terminated()
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> tuple[int, ...]:
