@@ -2,7 +2,7 @@
 
     mmkit caption IMAGE [IMAGE ...]
     mmkit ask IMAGE "QUESTION"
-    mmkit eval DATA --output RESULTS.jsonl
+    mmkit eval DATA --output RESULTS.jsonl [--ray [--ray-address ADDR] [--concurrency N]]
     mmkit serve [--model M] [--port 8000]     (OpenAI-compatible server; needs mmkit[serve])
 """
 
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                    help="items admitted to the engine at once (bounds memory; default 2 x max_num_seqs)")
+    _ray_flags(p)
     _common(p)
     from mmkit.entrypoints.openai.cli_args import add_serve_arguments  # argparse only: stays light
 
@@ -68,6 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Needs the serve extra: pip install 'mmkit[serve]'.")
     add_serve_arguments(p)
     return parser
+
+
+def _ray_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Ray (pip install 'mmkit[ray]')",
+                                  "Run the items over Ray Data, one engine replica per actor; DATA may also be "
+                                  "Parquet and any URI pyarrow reads (s3://, gs://, ...).")
+    g.add_argument("--ray", action="store_true", help="run over Ray (a local Ray unless --ray-address)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else start Ray here)")
+    g.add_argument("--concurrency", type=int, default=1, metavar="N", help="engine replicas (default 1)")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0, metavar="G",
+                   help="GPUs each replica reserves (1: one replica per GPU; default 0)")
+    g.add_argument("--num-cpus-per-replica", type=float, default=None, metavar="C",
+                   help="CPUs each replica reserves and its torch threads on CPU (default 1)")
+    g.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per batch sent to a replica")
 
 
 def _make_llm(args):
@@ -120,8 +136,9 @@ def cmd_ask(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmkit.evaluation import (ResultsFile, format_summary, read_dataset, run_evaluation,
-                                  summary_path_for)
+    if args.ray:
+        return cmd_eval_ray(args)
+    from mmkit.evaluation import ResultsFile, read_dataset, run_evaluation
     from mmkit.image_io import load_image
 
     items = read_dataset(args.data)
@@ -134,6 +151,12 @@ def cmd_eval(args) -> int:
 
     summary = run_evaluation(llm, items, results, build, _params(args), retry_errors=args.retry_errors,
                              show_progress=not args.no_progress, max_in_flight=args.max_in_flight)
+    return _write_summary(args, summary)
+
+
+def _write_summary(args, summary) -> int:
+    from mmkit.evaluation import format_summary, summary_path_for
+
     summary_path = Path(args.summary) if args.summary else summary_path_for(args.output)
     summary_path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     print(format_summary(summary))
@@ -152,6 +175,34 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
         return 2
     return run_server(args)
+
+
+def cmd_eval_ray(args) -> int:
+    try:
+        from mmkit.ray import init_ray
+        from mmkit.ray_eval import EvalData, run_ray_evaluation
+    except ImportError as exc:
+        raise ValueError(f"--ray: needs the ray extra ({exc}); pip install 'mmkit[ray]'") from exc
+    from mmkit.evaluation import ResultsFile
+
+    data = EvalData(args.data)
+    results = ResultsFile(args.output)
+    cpus = args.num_cpus_per_replica or 1
+    # NOTE: replicas hold their CPUs for the whole run; one more logical CPU keeps Ray Data's
+    # own small tasks schedulable on a machine whose cores the replicas take.
+    init_ray(args.ray_address, num_cpus=max(os.cpu_count() or 1, int(args.concurrency * cpus + 0.999) + 1))
+    try:
+        summary = run_ray_evaluation(
+            data, results, model=args.model, sampling_params=_params(args),
+            engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed},
+            concurrency=args.concurrency, batch_size=args.batch_size,
+            num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
+            max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)
+    finally:
+        import ray
+
+        ray.shutdown()
+    return _write_summary(args, summary)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,24 +47,33 @@ def read_dataset(path: str | Path) -> list[EvalItem]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"DATA: {str(path)!r} does not exist")
-    rows: list[dict[str, Any]]
-    if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    else:
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"DATA: {path.name} line {lineno} is not JSON: {exc}") from exc
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = parse_rows(f, path.name, is_csv=path.suffix.lower() == ".csv")
+    return items_from_rows(rows, path.name, path.parent)
+
+
+def parse_rows(f: Iterable[str], name: str, *, is_csv: bool) -> list[dict[str, Any]]:
+    """The rows of an open text file: CSV (every value a string) or JSON lines."""
+    if is_csv:
+        return list(csv.DictReader(f))
+    rows = []
+    for lineno, line in enumerate(f, start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"DATA: {name} line {lineno} is not JSON: {exc}") from exc
+    return rows
+
+
+def items_from_rows(rows: Iterable[dict[str, Any]], name: str, base: Path,
+                    image_column: str = "image") -> list[EvalItem]:
+    """Validated items; `image_column=None` when the images are bytes fetched separately."""
     items = []
     for i, row in enumerate(rows):
-        for key in ("image", "question"):
+        for key in ((image_column, "question") if image_column else ("question",)):
             if not isinstance(row.get(key), str) or not row[key]:
-                raise ValueError(f"DATA: {path.name} item {i} has no {key!r} column value; expected a string")
+                raise ValueError(f"DATA: {name} item {i} has no {key!r} column value; expected a string")
         answer = row.get("answer")
         if answer in (None, ""):
             answers = None
@@ -73,9 +82,10 @@ def read_dataset(path: str | Path) -> list[EvalItem]:
         else:
             answers = [str(answer)]
         qtype = row.get("type") or None
-        items.append(EvalItem(i, row["image"], (path.parent / row["image"]), row["question"], answers,
+        image = row[image_column] if image_column else "<bytes>"
+        items.append(EvalItem(i, image, (base / image), row["question"], answers,
                               str(qtype) if qtype is not None else None,
-                              _read_choices(row.get("choices"), f"DATA: {path.name} item {i}")))
+                              _read_choices(row.get("choices"), f"DATA: {name} item {i}")))
     return items
 
 
@@ -104,12 +114,15 @@ def params_for(item: EvalItem, params):
     space pushes them off their distribution. The space is stripped before scoring. The
     grammar bounds the length, so max_tokens is lifted (a cut-off option would score wrong).
     """
-    if not item.choices:
-        return params
+    return choice_params(params, item.choices) if item.choices else params
+
+
+def choice_params(params, choices: list[str]):
+    """`params` constrained to one of `choices`, after one optional space (see `params_for`)."""
     from mmkit.sampling_params import StructuredOutputsParams
     from mmkit.structured_outputs.spec import choice_ebnf
 
-    grammar = choice_ebnf(item.choices).replace("root ::= ", 'root ::= " "? (', 1) + ")"
+    grammar = choice_ebnf(choices).replace("root ::= ", 'root ::= " "? (', 1) + ")"
     return params.clone(max_tokens=None, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 

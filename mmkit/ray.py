@@ -1,0 +1,171 @@
+"""Batch inference over Ray Data: one mmkit engine per actor, from one laptop to a cluster.
+
+    import ray
+    from mmkit.ray import build_processor
+
+    processor = build_processor(None, SamplingParams(temperature=0, max_tokens=32), concurrency=2)
+    ds = ray.data.read_parquet("s3://bucket/vqa.parquet")        # columns: prompt|messages, image, ...
+    processor(ds).write_parquet("s3://bucket/answers/")
+
+Each replica is a Ray actor holding one `LLM`; Ray Data streams batches of rows to the
+replicas with backpressure, so a dataset larger than memory flows through in bounded memory.
+Images travel as what the row holds (encoded bytes, a path or a URL) and are decoded inside
+the replica, never pickled as PIL images. The row format is described in `mmkit.batch_rows`.
+Needs the `ray` extra: `pip install "mmkit[ray]"`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pyarrow as pa
+import ray
+import ray.data
+
+from mmkit.batch_rows import OUTPUT_COLUMNS, run_rows
+from mmkit.sampling_params import SamplingParams
+
+__all__ = ["build_processor", "Processor", "init_ray"]
+
+_ARROW_TYPES = {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
+                "finish_reason": pa.string(), "num_input_tokens": pa.int64(),
+                "num_generated_tokens": pa.int64(), "error": pa.string()}
+# Settings every replica needs before torch is imported (see the README's Notes).
+_WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+
+
+class EngineReplica:
+    """The actor behind `map_batches`: builds one `LLM` once, then generates batch after batch."""
+
+    def __init__(self, model: str | None, sampling_params: SamplingParams | None, engine_args: dict[str, Any],
+                 num_threads: int, max_in_flight: int | None) -> None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        from mmkit.llm import LLM
+
+        self.llm = LLM(model, **engine_args)
+        self.sampling_params = sampling_params
+        self.max_in_flight = max_in_flight
+        self.num_batches = 0
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        self.num_batches += 1
+        outputs = run_rows(self.llm, rows, self.sampling_params, max_in_flight=self.max_in_flight,
+                           request_prefix=f"batch{self.num_batches}")
+        for name in OUTPUT_COLUMNS:
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(name, pa.array([o[name] for o in outputs], type=_ARROW_TYPES[name]))
+        return batch
+
+
+@dataclass(frozen=True)
+class Processor:
+    """`processor(ds) -> ds`: the rows of `ds` with the generation columns added.
+
+    Lazy, as Ray Data is: nothing runs until the result is consumed (`take`, `iter_rows`,
+    `write_parquet`, ...). Built by `build_processor`.
+    """
+
+    model: str | None
+    sampling_params: SamplingParams | None
+    concurrency: int
+    batch_size: int
+    num_gpus_per_replica: float
+    num_cpus_per_replica: float
+    max_in_flight: int | None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    preprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    postprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        if not isinstance(ds, ray.data.Dataset):
+            raise TypeError(f"processor: got {type(ds).__name__}; expected a ray.data.Dataset")
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        env = {k: os.environ.get(k, v) for k, v in _WORKER_ENV_DEFAULTS.items()}
+        ds = ds.map_batches(
+            EngineReplica,
+            fn_constructor_kwargs={"model": self.model, "sampling_params": self.sampling_params,
+                                   "engine_args": self.engine_args, "max_in_flight": self.max_in_flight,
+                                   "num_threads": max(1, int(self.num_cpus_per_replica))},
+            batch_format="pyarrow",
+            batch_size=self.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=self.concurrency),
+            num_cpus=self.num_cpus_per_replica,
+            num_gpus=self.num_gpus_per_replica,
+            runtime_env={"env_vars": env},
+        )
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+
+def build_processor(model: str | None = None, sampling_params: SamplingParams | None = None, *,
+                    concurrency: int = 1, batch_size: int = 16, num_gpus_per_replica: float = 0,
+                    num_cpus_per_replica: float | None = None, max_in_flight: int | None = None,
+                    preprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                    postprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                    **engine_args: Any) -> Processor:
+    """A callable that runs `model` over a Ray Dataset with `concurrency` engine replicas.
+
+    `model`: a checkpoint folder (on every node) or a cached model id; None: the embedded model.
+    `sampling_params`: the default for every row (a row's `sampling_params` dict overrides fields).
+    `batch_size`: rows per batch handed to a replica (the replica batches them continuously).
+    `num_gpus_per_replica` / `num_cpus_per_replica`: what each actor reserves (CPUs default to 1;
+    on CPU the engine uses that many torch threads). `max_in_flight`: rows of a batch admitted
+    to the engine at once (bounds decoded images; default the whole batch). `preprocess` /
+    `postprocess`: per-row functions applied before / after generation, as in `ray.data.llm`.
+    Every other keyword is an `EngineArgs` field (dtype, max_model_len, max_num_seqs, ...).
+    """
+    from mmkit.config import EngineArgs
+
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"sampling_params: got {type(sampling_params).__name__}; expected SamplingParams or None")
+    if model is not None and not isinstance(model, str):
+        model = os.fspath(model)
+    for name, value, lo in (("concurrency", concurrency, 1), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name}: got {value!r}; expected an integer >= {lo}")
+    if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
+                                      or max_in_flight < 1):
+        raise ValueError(f"max_in_flight: got {max_in_flight!r}; expected None or an integer >= 1")
+    if not isinstance(num_gpus_per_replica, (int, float)) or num_gpus_per_replica < 0:
+        raise ValueError(f"num_gpus_per_replica: got {num_gpus_per_replica!r}; expected a number >= 0")
+    if num_cpus_per_replica is None:
+        num_cpus_per_replica = 1
+    if not isinstance(num_cpus_per_replica, (int, float)) or num_cpus_per_replica <= 0:
+        raise ValueError(f"num_cpus_per_replica: got {num_cpus_per_replica!r}; expected a number > 0")
+    EngineArgs(model=model, **engine_args)  # unknown or invalid engine arguments fail here, not in an actor
+    return Processor(model, sampling_params, concurrency, batch_size, num_gpus_per_replica, num_cpus_per_replica,
+                     max_in_flight, dict(engine_args), preprocess, postprocess)
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None,
+             object_store_memory: int | None = None) -> None:
+    """Connect to the cluster at `address` (or `$RAY_ADDRESS`), else start Ray on this machine.
+
+    A local start reserves `num_cpus` logical CPUs (default: this machine's) and no dashboard.
+    Does nothing when Ray is already initialized in this process.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
+             object_store_memory=object_store_memory or _default_object_store_memory())
+
+
+def _default_object_store_memory() -> int:
+    """A modest store (Ray spills beyond it to disk): 10% of RAM, between 256 MiB and 2 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return int(min(max(total // 10, 256 << 20), 2 << 30))
