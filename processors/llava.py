@@ -6,7 +6,7 @@ call is validated up front); pixel values are computed only when the request is 
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
