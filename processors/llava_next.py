@@ -11,7 +11,7 @@ added, instead of misaligning embeddings later.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
@@ -25,8 +25,9 @@ BASE_VIEW = "base_view"
 class LlavaNextInputProcessor(LlavaInputProcessor):
     """`InputProcessor` of LLaVA-NeXT: size-dependent image-token counts, tiles as views."""
 
-    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
-        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt)
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         if self.hf_processor is None or not hasattr(self.hf_processor, "_get_num_multimodal_tokens"):
             raise ValueError(
                 f"model: {model_config.architecture} needs the checkpoint's processor (processor_config.json "
@@ -102,8 +103,9 @@ class LlavaOnevisionInputProcessor(LlavaNextInputProcessor):
     """LLaVA-OneVision (images): one image per prompt is tiled (anyres_max); the images of a
     multi-image prompt are each their base view (as transformers does). Video is refused."""
 
-    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int]) -> None:
-        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt)
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         video_token = getattr(self.hf_processor, "video_token", None) or "<video>"
         video_id = self.tokenizer.convert_tokens_to_ids(video_token)
         self.video_token = video_token
