@@ -13,6 +13,7 @@ import time
 import httpx
 
 from serve_utils import REPO, ServerProcess
+from mmkit.config import default_model_path
 
 
 def _stream(url: str, results: list, started: threading.Event) -> None:
@@ -67,7 +68,7 @@ def test_sigterm_aborts_in_flight_requests_and_exits_0():
 
 def test_sigint_exits_0_api_key_from_the_environment_generation_config_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3}')
-    template = (REPO / "assets" / "default-model" / "chat_template.jinja").read_text()
+    template = (default_model_path() / "chat_template.jinja").read_text()
     (tmp_path / "template.jinja").write_text("PREFIX " + template)
     server = ServerProcess("--generation-config", str(tmp_path), "--chat-template", str(tmp_path / "template.jinja"),
                            env={"MMKIT_API_KEY": "from-env"})
