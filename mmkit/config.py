@@ -250,8 +250,8 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
 def _image_seq_length(hf_config: Any) -> int | None:
     """Placeholder tokens per image, the way LlavaProcessor counts them."""
     vision = getattr(hf_config, "vision_config", None)
-    if vision is None:
-        return None
+    if vision is None or not hasattr(vision, "image_size") or not hasattr(vision, "patch_size"):
+        return None  # a family whose count depends on the image (its model says, per item)
     num_patches = (vision.image_size // vision.patch_size) ** 2
     strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
     # CLIP-like towers prepend a CLS token; "default" drops it, "full" keeps it.

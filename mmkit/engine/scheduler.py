@@ -7,11 +7,9 @@ blocks run out the most recently arrived running sequence is preempted (its bloc
 freed and it is recomputed later). New requests are admitted only in steps without
 preemption, so a preempted request is not starved by newcomers.
 
-Encoder work is scheduled here too (vLLM v1): a chunk that covers an item's placeholder
-range needs the item's embedding in the runner's encoder cache. A cached item gains a
-reference; a missing one is scheduled for encoding within the step's encoder budget
-(`max_num_encoder_input_tokens`) and the cache's room (`EncoderCacheManager`); when neither
-allows it the chunk stops before that item and the item waits for a later step.
+Encoder work is scheduled here too (vLLM v1), by `EncoderScheduler`
+(mmkit/engine/encoder_scheduling.py): a chunk stops before an item that neither the encoder
+budget nor the encoder cache has room for.
 
 `schedule()` returns a frozen `SchedulerOutput` (mmkit/scheduler_output.py); after the
 runner computed it, `update_from_output` advances the counters, appends sampled tokens and
@@ -26,6 +24,7 @@ from dataclasses import dataclass, field
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
+from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.hashing import update_block_hashes
 from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
@@ -70,7 +69,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
-        self.encoder_row_bytes = encoder_row_bytes  # bytes of one embedding row (hidden * dtype)
+        self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
+                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,7 +80,6 @@ class Scheduler:
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
         self._plan: StepPlan | None = None
-        self._encoder_budget = 0
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, group: SequenceGroup) -> None:
@@ -107,7 +106,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        self._release_encoder_inputs(seq)
+        self.encoder.release(seq)
         seq.status = status
         self._known_to_runner.discard(seq.seq_id)
         self._finished_seq_ids.add(seq.seq_id)
@@ -131,7 +130,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan()
         token_budget = self.config.max_num_batched_tokens
-        self._encoder_budget = self.config.max_num_encoder_input_tokens or token_budget
+        self.encoder.start_step()
         scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -140,7 +139,7 @@ class Scheduler:
             if not self._make_room(seq, num_new, plan, scheduled_ids):
                 continue  # `seq` itself was preempted or finished; running[i] is the next one
             i += 1
-            num_new = self._schedule_encoder_inputs(seq, seq.num_computed_tokens, num_new, plan)
+            num_new = self.encoder.schedule(seq, seq.num_computed_tokens, num_new, plan.encoder_inputs)
             if num_new == 0:
                 continue  # waits for room in the encoder cache or budget
             self._allocate(seq, num_new, plan)
@@ -177,7 +176,7 @@ class Scheduler:
             token_ids=tuple(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
             sampling_params=group.params, seed=seq.seed, block_ids=tuple(seq.block_table),
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
-            encoder_keys=tuple(self.encoder_keys(group)) if ranges else (),
+            encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
             pending_forks=forks)
 
@@ -201,7 +200,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        self._release_encoder_inputs(seq)
+        self.encoder.release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         self._known_to_runner.discard(seq.seq_id)  # resent whole when it resumes
@@ -237,7 +236,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - start, token_budget)
             if not self.block_manager.can_allocate_with_prefix(seq, hits, num_new):
                 break
-            num_new = self._schedule_encoder_inputs(seq, start, num_new, plan)
+            num_new = self.encoder.schedule(seq, start, num_new, plan.encoder_inputs)
             if num_new == 0:
                 break
             self.waiting.popleft()
@@ -260,7 +259,8 @@ class Scheduler:
         for s in plan.scheduled:
             s.seq.num_computed_tokens = s.end
             by_id[s.seq.seq_id] = s.seq
-        self._release_computed_encoder_inputs(plan)
+        for s in plan.scheduled:
+            self.encoder.release_computed(s.seq)
         samples: list[tuple[Sequence, int]] = []
         row = 0
         for seq_id, count in zip(sampled_seq_ids, row_counts):
@@ -295,7 +295,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
-                self._release_encoder_inputs(seq)
+                self.encoder.release(seq)
                 seq.reset_for_recompute()
                 self.waiting.appendleft(seq)
 
@@ -313,61 +313,3 @@ class Scheduler:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         return children
-
-    # ------------------------------------------------------------------ encoder inputs
-    def encoder_keys(self, group: SequenceGroup) -> list[str]:
-        """Encoder-cache key per item: its content hash (shared by equal images) or, with
-        the cache off, a key private to the request."""
-        if group.encoder_keys is None:
-            if self.encoder_cache.enabled:
-                group.encoder_keys = list(group.get_image_hashes())
-            else:
-                group.encoder_keys = [f"{group.request_id}/{i}" for i in range(len(group.processed.placeholder_ranges))]
-        return group.encoder_keys
-
-    def _schedule_encoder_inputs(self, seq: Sequence, start: int, num_new: int, plan: StepPlan) -> int:
-        """Reference or schedule the items chunk [start, start + num_new) covers; returns the
-        (possibly shortened) number of tokens to schedule."""
-        group = seq.group
-        ranges = group.processed.placeholder_ranges
-        if not ranges:
-            return num_new
-        end = start + num_new
-        keys = self.encoder_keys(group)
-        cache = self.encoder_cache
-        for i, (offset, length) in enumerate(ranges):
-            if offset >= end:
-                break
-            if offset + length <= start or cache.holds(seq.seq_id, keys[i]):
-                continue
-            if cache.has(keys[i]):  # cached, or scheduled earlier in this step
-                cache.add_ref(keys[i], seq.seq_id)
-                cache.num_hits += 1
-                continue
-            num_bytes = length * self.encoder_row_bytes
-            over_budget = length > self._encoder_budget and bool(plan.encoder_inputs)
-            if over_budget or not cache.can_allocate(num_bytes):
-                return max(offset - start, 0)  # stop before this item
-            cache.allocate(keys[i], seq.seq_id, num_bytes)
-            self._encoder_budget -= length
-            embeds = group.processed.image_embeds
-            plan.encoder_inputs.append(EncoderInput(
-                group.request_id, keys[i],
-                group.processed.images[i] if embeds is None else None,
-                embeds[i] if embeds is not None else None, length))
-        return num_new
-
-    def _release_computed_encoder_inputs(self, plan: StepPlan) -> None:
-        """Items fully computed need no embedding any more (vLLM frees them at this point)."""
-        for s in plan.scheduled:
-            seq = s.seq
-            keys = seq.group.encoder_keys
-            if keys is not None:
-                done = seq.num_computed_tokens
-                for key, (offset, length) in zip(keys, seq.group.processed.placeholder_ranges):
-                    if offset + length <= done:
-                        self.encoder_cache.release(key, seq.seq_id)
-
-    def _release_encoder_inputs(self, seq: Sequence) -> None:
-        if seq.group is not None and seq.group.encoder_keys is not None:
-            self.encoder_cache.release_all(seq.seq_id, seq.group.encoder_keys)
