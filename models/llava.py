@@ -14,8 +14,7 @@ from mmkit.config import _image_seq_length
 from mmkit.layers.attention import AttentionMetadata
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
-from mmkit.models.checkpoint_keys import transformers_key_mapper
-from mmkit.models.weight_utils import load_weights
+from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -52,11 +51,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path) -> None:
-        mapper = transformers_key_mapper(self.config, type(self).__name__)
-        load_weights(self, path, self.tie_word_embeddings, mapper)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
-        self.language_model.fuse_weights()
+        load_vlm_checkpoint(self, path)
 
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and

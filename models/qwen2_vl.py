@@ -18,8 +18,7 @@ from torch import nn
 from mmkit.layers.attention import AttentionMetadata
 from mmkit.models.llama import Linear, pack_linears
 from mmkit.models.qwen2 import Qwen2Model
-from mmkit.models.checkpoint_keys import transformers_key_mapper
-from mmkit.models.weight_utils import load_weights
+from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -53,13 +52,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path) -> None:
-        # Key renames (hub `visual.*`/`model.layers.*`, transformers 5 `model.visual.*`, ...) come
-        # from transformers' own conversion list for the class, as for LLaVA.
-        mapper = transformers_key_mapper(self.config, type(self).__name__)
-        load_weights(self, path, self.tie_word_embeddings, mapper)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
-        self.language_model.fuse_weights()
+        load_vlm_checkpoint(self, path)
 
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: the vision tower's rotary frequencies back to

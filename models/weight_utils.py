@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmkit.models.checkpoint_keys import KeyMapper
+from mmkit.models.checkpoint_keys import KeyMapper, transformers_key_mapper
 
 # Buffers some old checkpoints carry that mmkit recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
@@ -66,3 +66,16 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
         raise ValueError(
             f"model: checkpoint {str(path)!r} has {len(unexpected)} unexpected weights, e.g. {unexpected[:5]}"
         )
+
+
+def load_vlm_checkpoint(model: nn.Module, path: Path) -> None:
+    """Load a vision-language checkpoint into `model` (an mmkit family class named after its
+    transformers class, with `config`, `tie_word_embeddings`, `lm_head` and a `language_model`
+    decoder): keys renamed by transformers' own conversion list for the class (every layout
+    transformers loads), the LM head tied when the config says so, then the decoder's
+    projections fused."""
+    mapper = transformers_key_mapper(model.config, type(model).__name__)
+    load_weights(model, path, model.tie_word_embeddings, mapper)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.language_model.embed_tokens.weight
+    model.language_model.fuse_weights()

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mmkit.engine import detokenizer
-from mmkit.engine.sequence import SequenceStatus
+from mmkit.engine.sequence import SequenceStatus, TokenCounts
 from mmkit.layers.sampler import SamplerOutput
 from mmkit.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from mmkit.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)
-class SeqOutputState:
+class SeqOutputState(TokenCounts):
     """One sample's output side: its tokens (after the prompt), text and logprobs.
 
     `token_ids` holds the prompt then the outputs (the detokenizer reads the outputs only);
@@ -41,18 +41,6 @@ class SeqOutputState:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     finish_reason: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(eq=False)

@@ -35,8 +35,28 @@ class SequenceStatus(enum.Enum):
 _seq_counter = itertools.count()
 
 
+class TokenCounts:
+    """Counts over `token_ids` (the prompt, then the outputs), for the scheduler's `Sequence`
+    and the output processor's per-sample state, which each keep their own list."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
 @dataclass(eq=False)
-class Sequence:
+class Sequence(TokenCounts):
     """One token stream: the prompt followed by its generated tokens."""
 
     group: "SequenceGroup"
@@ -53,17 +73,6 @@ class Sequence:
     # produces all n first tokens; the other n - 1 sequences are forked from this one.
     num_pending_forks: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
