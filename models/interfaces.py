@@ -147,3 +147,20 @@ def merge_multimodal_embeddings(inputs_embeds: torch.Tensor, item_embeds: Sequen
     source = rows[0] if len(rows) == 1 else torch.cat(rows)
     inputs_embeds.index_copy_(0, dst.to(inputs_embeds.device), source.to(inputs_embeds.dtype))
     return inputs_embeds
+
+
+class DecoderLMMixin:
+    """The text side every family shares: `embed_tokens`, `forward` and `compute_logits`
+    delegated to the family's paged decoder (`self.language_model`) and `self.lm_head`."""
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
+        # positions: [num_tokens], or [3, num_tokens] (temporal, height, width) for M-RoPE
+        return self.language_model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden] (last positions only) -> [num_rows, vocab] float32
+        return self.lm_head(hidden).float()

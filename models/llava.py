@@ -11,8 +11,7 @@ from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from mmkit.config import _image_seq_length
-from mmkit.layers.attention import AttentionMetadata
-from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
@@ -32,7 +31,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
     """LLaVA-1.5: a fixed number of tokens per image (`SupportsMultiModal`)."""
 
     supports_multimodal: ClassVar[bool] = True
@@ -83,15 +82,3 @@ class LlavaForConditionalGeneration(nn.Module):
         if strategy == "default":
             feats = [f[:, 1:] for f in feats]  # drop CLS
         return self.multi_modal_projector(torch.cat(feats, dim=-1))
-
-    # ------------------------------------------------------------------ text
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_seqs, hidden] (last positions only) -> [num_seqs, vocab] float32
-        return self.lm_head(hidden).float()

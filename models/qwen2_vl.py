@@ -15,13 +15,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from mmkit.layers.attention import AttentionMetadata
+from mmkit.models.interfaces import DecoderLMMixin
 from mmkit.models.llama import Linear, pack_linears
 from mmkit.models.qwen2 import Qwen2Model
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
     """Qwen2-VL (`SupportsMultiModal`, `SupportsMRoPE` of models/interfaces.py); positions are
     M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
 
@@ -94,18 +94,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
         # clone: a cached item must not keep the whole batch's tensor alive
         return [part.clone() for part in torch.split(merged, sizes)]
-
-    # ------------------------------------------------------------------ text
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        # positions: [3, num_tokens] (temporal, height, width rows)
-        return self.language_model(inputs_embeds, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
