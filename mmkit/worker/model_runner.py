@@ -71,6 +71,8 @@ class ModelRunner:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
         self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        # (request id, item) -> the item's model inputs; the engine installs its prefetcher's.
+        self.mm_item_inputs = lambda request_id, item: self.input_processor.mm_item_inputs(item)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -222,7 +224,7 @@ class ModelRunner:
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
             try:
-                inputs = self.input_processor.mm_item_inputs(e.item)
+                inputs = self.mm_item_inputs(e.request_id, e.item)
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
                 raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
             to_encode.append(e)
