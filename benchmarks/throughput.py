@@ -1,7 +1,12 @@
 """Offline throughput: mmkit `LLM.generate` vs transformers' static-batch `generate`.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/throughput.py --dtype bfloat16 --workload mixed \
-        [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json]
+        [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json] [--rss]
+
+Workloads: `mixed` / `uniform` (224 px images = 196 image tokens, 16-64 text tokens) and
+`decode-heavy` (96 px images = 36 image tokens, 24-40 text tokens, outputs 8-128).
+`--rss` adds a fair memory comparison: each system alone in its own child process (same
+workload, first repeat's seed, transformers at its best batch size), peak RSS of each.
 
 The workload is seeded: prompts of 16-64 random text tokens after one image, output lengths
 forced (mmkit `ignore_eos`, transformers `min_new_tokens = max_new_tokens`). transformers runs
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,10 +62,60 @@ def time_mmkit(llm, reqs, size: int) -> float:
     return elapsed
 
 
+def proc_status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this process. Not ru_maxrss: Linux keeps that across
+    fork + exec, so a child would report its parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def run_alone(args, system: str) -> None:
+    """Child of `--rss`: one system only, one timed pass over repeat 0's workload, then its
+    peak RSS (and the RSS after imports, before any model was loaded)."""
+    base = proc_status_mb("VmRSS")
+    common.set_threads(args.threads)
+    image_size = common.WORKLOAD_IMAGE_SIZE[args.workload]
+    model_dir = args.model or common.build_model(args.num_layers, image_size)
+    size = common.image_size_of(model_dir)
+    warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)
+    reqs = common.make_workload(args.workload, args.num_requests, seed=0, uniform_len=args.uniform_len)
+    useful = sum(r.max_tokens for r in reqs)
+    if system == "mmkit":
+        llm = common.build_llm(model_dir, args.dtype, **({"async_preprocess": False} if args.no_async_preprocess else {}))
+        time_mmkit(llm, warm, size)
+        t = time_mmkit(llm, reqs, size)
+    else:
+        hf = common.HFRunner(model_dir, args.dtype)
+        hf.run_static(warm, 8)
+        bs = args.hf_batch_sizes.split(",")[0]
+        t = hf.run_static(reqs, len(reqs) if bs == "all" else int(bs))
+    Path(args.json).write_text(json.dumps({"system": system, "peak_rss_mb": proc_status_mb("VmHWM"),
+                                           "rss_after_imports_mb": base, "tok_s": useful / t}))
+
+
+def rss_alone(args, system: str, hf_batch: str | None) -> dict:
+    out = Path(f"/tmp/mmkit-throughput-rss-{os.getpid()}-{system}.json")
+    cmd = [sys.executable, __file__, "--only", system, "--json", str(out), "--workload", args.workload,
+           "--dtype", args.dtype, "--num-layers", str(args.num_layers), "--threads", str(args.threads),
+           "--num-requests", str(args.num_requests), "--uniform-len", str(args.uniform_len),
+           "--hf-batch-sizes", hf_batch or "all"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.no_async_preprocess:
+        cmd.append("--no-async-preprocess")
+    subprocess.run(cmd, check=True)
+    res = json.loads(out.read_text())
+    out.unlink()
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
-    p.add_argument("--workload", default="mixed", choices=["mixed", "uniform"])
+    p.add_argument("--workload", default="mixed", choices=list(common.WORKLOADS))
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--uniform-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -67,7 +124,15 @@ def main() -> None:
     p.add_argument("--parity-requests", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
+    p.add_argument("--no-async-preprocess", action="store_true",
+                   help="mmkit: image processor on the engine thread (async_preprocess=False)")
+    p.add_argument("--rss", action="store_true",
+                   help="also measure each system's peak RSS alone, in its own child process")
+    p.add_argument("--only", choices=["mmkit", "hf"], help=argparse.SUPPRESS)  # child of --rss
     args = p.parse_args()
+    if args.only:
+        run_alone(args, args.only)
+        return
     model_dir, size, llm = common.setup(args, args.model)
     result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "model": model_dir}
     hf = None if args.skip_hf else common.HFRunner(model_dir, args.dtype)
@@ -117,6 +182,9 @@ def main() -> None:
         result["ratio_per_repeat"] = [m / h for m, h in zip(mm_times, hf_times)]
         result["median_paired_ratio"] = statistics.median(result["ratio_per_repeat"])
     result["peak_rss_mb"] = common.peak_rss_mb()
+    result["kv_bytes_per_token"] = common.kv_bytes_per_token(model_dir, args.dtype)
+    if args.rss:
+        result["rss_alone"] = {s: rss_alone(args, s, best) for s in (["mmkit"] if hf is None else ["mmkit", "hf"])}
     print(f"\n{args.workload} {args.dtype} {args.num_requests} req, {args.num_layers} layers, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"mmkit        : {result['mmkit_tok_s']:8.1f} useful output tok/s")
@@ -126,6 +194,10 @@ def main() -> None:
         per = ", ".join(f"{r:.2f}" for r in result["ratio_per_repeat"])
         print(f"per repeat   : {per} (median {result['median_paired_ratio']:.2f}x)")
     print(f"peak RSS     : {result['peak_rss_mb']:.0f} MB (both systems in one process)")
+    for s, r in result.get("rss_alone", {}).items():
+        print(f"peak RSS {s:5s}: {r['peak_rss_mb']:.0f} MB alone in its own process "
+              f"({r['rss_after_imports_mb']:.0f} MB after imports; {r['tok_s']:.1f} tok/s there)")
+    print(f"KV cache     : {result['kv_bytes_per_token']} bytes per token ({args.dtype})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
