@@ -79,7 +79,8 @@ class SupportsMultiModal(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        """[num_rows, hidden] -> [num_rows, vocab] (model dtype or float32; the runner and
+        sampler cast to float32 where they transform logits)."""
         ...
 
     def load_checkpoint(self, path: Any) -> None: ...

@@ -96,5 +96,7 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model(inputs_embeds, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_seqs, hidden] (last positions only) -> [num_seqs, vocab] float32
-        return self.lm_head(hidden).float()
+        # hidden: [num_seqs, hidden] (last positions only) -> [num_seqs, vocab] in the model's
+        # dtype: the sampler casts to float32 only where it transforms them (greedy argmax
+        # reads bf16 directly; a [128, 49152] float copy per step cost as much as sampling).
+        return self.lm_head(hidden)

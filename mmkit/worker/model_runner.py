@@ -114,6 +114,8 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        if self.sampler_hooks:
+            logits = logits.float()  # hooks get float32 rows (seq_state.SamplerHook)
         for hook in self.sampler_hooks:
             hook.apply(logits, row_states)
         out = self.sampler(logits, rows)
@@ -158,7 +160,7 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).log_softmax(dim=-1)
+        return self.model.compute_logits(hidden).float().log_softmax(dim=-1)
 
     def _sampling_rows(self, state: CachedSeqState) -> list[SamplingRow]:
         params = state.params
