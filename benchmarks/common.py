@@ -55,10 +55,33 @@ def make_workload(kind: str, num_requests: int, seed: int = 0, vocab_size: int =
     return reqs
 
 
+# `--large-images`: every request's image is a 1024x768 photo (assets/photos, upscaled once,
+# then a seed-dependent 1024x768 crop: distinct content per request, so no cache hits).
+LARGE_IMAGES = False
+LARGE_SIZE = (1024, 768)
+_PHOTOS: list = []
+
+
+def _large_photo(seed: int):
+    from PIL import Image
+
+    if not _PHOTOS:
+        folder = Path(__file__).resolve().parent.parent / "assets" / "photos"
+        for path in sorted(folder.glob("*.jpg")):
+            with Image.open(path) as img:
+                _PHOTOS.append(img.convert("RGB").resize((LARGE_SIZE[0] + 64, LARGE_SIZE[1] + 48),
+                                                         Image.Resampling.BICUBIC))
+    photo = _PHOTOS[seed % len(_PHOTOS)]
+    dx, dy = (seed // len(_PHOTOS)) % 64, (seed // (len(_PHOTOS) * 64)) % 48
+    return photo.crop((dx, dy, dx + LARGE_SIZE[0], dy + LARGE_SIZE[1]))
+
+
 def make_image(seed: int, size: int):
     import numpy as np
     from PIL import Image
 
+    if LARGE_IMAGES:
+        return _large_photo(seed)
     rng = np.random.RandomState(seed % (2**32))
     return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
 
@@ -75,6 +98,8 @@ def add_common_args(p) -> None:
     p.add_argument("--num-layers", type=int, default=30, help="decoder layers of the benchmark LLaVA")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--large-images", action="store_true",
+                   help="1024x768 photos (assets/photos, a distinct crop per request) instead of small random images")
 
 
 def set_threads(n: int) -> None:
@@ -116,7 +141,9 @@ def build_llm(model_dir: str, dtype: str, **kwargs):
 def setup(args, model_dir: str | None = None):
     """What every script does first, from its common flags: threads, the benchmark checkpoint
     (built once, cached), mmkit's LLM. Returns (model_dir, image_size, llm)."""
+    global LARGE_IMAGES
     set_threads(args.threads)
+    LARGE_IMAGES = bool(getattr(args, "large_images", False))
     workload = getattr(args, "workload", "mixed")
     model_dir = model_dir or build_model(args.num_layers, WORKLOAD_IMAGE_SIZE.get(workload, 224))
     llm_kwargs = {}

@@ -49,12 +49,17 @@ def parity_gate(llm, hf, size: int, dtype: str, num: int, max_tokens: int) -> di
     return res
 
 
-def time_mmkit(llm, reqs, size: int) -> float:
+def time_mmkit(llm, reqs, size: int, ttft: list[float] | None = None) -> float:
+    """Seconds for one `generate` call over `reqs`; each request's time to first token
+    (from the call) is appended to `ttft` if given."""
     inputs = common.mmkit_inputs(reqs, size)
     params = common.mmkit_params(reqs)
+    wall0 = time.time()
     start = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if ttft is not None:
+        ttft.extend(o.metrics["first_token_time"] - wall0 for o in outs)
     got = [len(o.outputs[0].token_ids) for o in outs]
     want = [r.max_tokens for r in reqs]
     if got != want:
@@ -77,6 +82,7 @@ def run_alone(args, system: str) -> None:
     peak RSS (and the RSS after imports, before any model was loaded)."""
     base = proc_status_mb("VmRSS")
     common.set_threads(args.threads)
+    common.LARGE_IMAGES = args.large_images
     image_size = common.WORKLOAD_IMAGE_SIZE[args.workload]
     model_dir = args.model or common.build_model(args.num_layers, image_size)
     size = common.image_size_of(model_dir)
@@ -101,7 +107,7 @@ def rss_alone(args, system: str, hf_batch: str | None) -> dict:
     cmd = [sys.executable, __file__, "--only", system, "--json", str(out), "--workload", args.workload,
            "--dtype", args.dtype, "--num-layers", str(args.num_layers), "--threads", str(args.threads),
            "--num-requests", str(args.num_requests), "--uniform-len", str(args.uniform_len),
-           "--hf-batch-sizes", hf_batch or "all"]
+           "--hf-batch-sizes", hf_batch or "all"] + (["--large-images"] if args.large_images else [])
     if args.model:
         cmd += ["--model", args.model]
     if args.no_async_preprocess:
@@ -110,6 +116,46 @@ def rss_alone(args, system: str, hf_batch: str | None) -> dict:
     res = json.loads(out.read_text())
     out.unlink()
     return res
+
+
+def async_ab(args, model_dir: str, size: int, llm_on) -> None:
+    """`--ab-async`: the same workloads through two engines in one process, overlapped
+    preprocessing on and off (order alternating per repeat); paired throughput and TTFT."""
+    llm_off = common.build_llm(model_dir, args.dtype, async_preprocess=False)
+    warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)
+    for llm in (llm_on, llm_off):
+        time_mmkit(llm, warm, size)
+    runs: dict[str, list] = {"on": [], "off": [], "ttft_on": [], "ttft_off": []}
+    for rep in range(args.repeats):
+        reqs = common.make_workload(args.workload, args.num_requests, seed=rep, uniform_len=args.uniform_len)
+        useful = sum(r.max_tokens for r in reqs)
+        order = [("on", llm_on), ("off", llm_off)] if rep % 2 == 0 else [("off", llm_off), ("on", llm_on)]
+        for name, llm in order:
+            ttft: list[float] = []
+            # The prefix/encoder caches are per engine: each engine sees each workload once.
+            t = time_mmkit(llm, reqs, size, ttft)
+            runs[name].append(useful / t)
+            runs["ttft_" + name].append(statistics.median(ttft))
+            print(f"[{rep}] async_preprocess {name:3s}: {useful / t:8.1f} tok/s ({t:.1f} s), "
+                  f"TTFT p50 {runs['ttft_' + name][-1]:.2f} s", flush=True)
+    ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
+    ttft_ratios = [a / b for a, b in zip(runs["ttft_on"], runs["ttft_off"])]
+    result = {"args": vars(args), "model": model_dir, "runs": runs, "throughput_ratio_per_repeat": ratios,
+              "median_throughput_ratio": statistics.median(ratios), "ttft_ratio_per_repeat": ttft_ratios,
+              "median_ttft_ratio": statistics.median(ttft_ratios),
+              "prefetched": llm_on.llm_engine.prefetcher.num_prefetched,
+              "inline": llm_on.llm_engine.prefetcher.num_inline}
+    print(f"\n{args.workload} {args.dtype} {args.num_requests} req, {args.num_layers} layers, "
+          f"{'1024x768 photos' if args.large_images else 'small images'}, median of {args.repeats}")
+    print(f"async on  : {statistics.median(runs['on']):8.1f} tok/s, TTFT p50 {statistics.median(runs['ttft_on']):.2f} s")
+    print(f"async off : {statistics.median(runs['off']):8.1f} tok/s, TTFT p50 {statistics.median(runs['ttft_off']):.2f} s")
+    print(f"throughput on/off per repeat: {', '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {result['median_throughput_ratio']:.2f}x)")
+    print(f"TTFT p50 on/off per repeat  : {', '.join(f'{r:.2f}' for r in ttft_ratios)} "
+          f"(median {result['median_ttft_ratio']:.2f}x)")
+    print(f"images from the workers: {result['prefetched']}, computed inline: {result['inline']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 def main() -> None:
@@ -128,12 +174,17 @@ def main() -> None:
                    help="mmkit: image processor on the engine thread (async_preprocess=False)")
     p.add_argument("--rss", action="store_true",
                    help="also measure each system's peak RSS alone, in its own child process")
+    p.add_argument("--ab-async", action="store_true",
+                   help="mmkit only: overlapped preprocessing on vs off, same workloads, one process")
     p.add_argument("--only", choices=["mmkit", "hf"], help=argparse.SUPPRESS)  # child of --rss
     args = p.parse_args()
     if args.only:
         run_alone(args, args.only)
         return
     model_dir, size, llm = common.setup(args, args.model)
+    if args.ab_async:
+        async_ab(args, model_dir, size, llm)
+        return
     result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "model": model_dir}
     hf = None if args.skip_hf else common.HFRunner(model_dir, args.dtype)
     if hf is not None:
@@ -146,15 +197,18 @@ def main() -> None:
         hf.run_static(warm, 8)
 
     sizes = [s for s in args.hf_batch_sizes.split(",") if s]
-    mm_times, hf_times, sweep = [], [], {}
+    mm_times, hf_times, sweep, ttft_p50 = [], [], {}, []
     best = None
     for rep in range(args.repeats):
         # A fresh seed per repeat so the prefix/encoder caches never hit across repeats.
         reqs = common.make_workload(args.workload, args.num_requests, seed=rep, uniform_len=args.uniform_len)
         useful = sum(r.max_tokens for r in reqs)
-        t = time_mmkit(llm, reqs, size)
+        ttft: list[float] = []
+        t = time_mmkit(llm, reqs, size, ttft)
         mm_times.append(useful / t)
-        print(f"[{rep}] mmkit: {useful / t:8.1f} tok/s ({t:.1f} s)", flush=True)
+        ttft_p50.append(statistics.median(ttft))
+        print(f"[{rep}] mmkit: {useful / t:8.1f} tok/s ({t:.1f} s), TTFT p50 {ttft_p50[-1]:.2f} s "
+              f"(p90 {common.percentiles(ttft)['p90']:.2f} s)", flush=True)
         if hf is None:
             continue
         candidates = sizes if best is None else [best]
@@ -172,6 +226,8 @@ def main() -> None:
 
     result["mmkit_tok_s"] = statistics.median(mm_times)
     result["mmkit_runs"] = mm_times
+    result["mmkit_ttft_p50_s"] = statistics.median(ttft_p50)
+    result["mmkit_ttft_p50_runs"] = ttft_p50
     if hf_times:
         result["hf_tok_s"] = statistics.median(hf_times)
         result["hf_runs"] = hf_times
@@ -187,7 +243,8 @@ def main() -> None:
         result["rss_alone"] = {s: rss_alone(args, s, best) for s in (["mmkit"] if hf is None else ["mmkit", "hf"])}
     print(f"\n{args.workload} {args.dtype} {args.num_requests} req, {args.num_layers} layers, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"mmkit        : {result['mmkit_tok_s']:8.1f} useful output tok/s")
+    print(f"mmkit        : {result['mmkit_tok_s']:8.1f} useful output tok/s, TTFT p50 "
+          f"{result['mmkit_ttft_p50_s']:.2f} s (from the call; async_preprocess={not args.no_async_preprocess})")
     if hf_times:
         print(f"transformers : {result['hf_tok_s']:8.1f} useful output tok/s (best static batch: {best})")
         print(f"ratio        : {result['ratio']:.2f}x (median over median)")
