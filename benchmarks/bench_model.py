@@ -39,12 +39,16 @@ def build_full_vocab_tokenizer(vocab_size: int):
                                    pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
 
 
-def build_bench_llava(out_dir: str | Path | None = None, *, num_layers: int = 30, seed: int = 0) -> Path:
-    out = Path(out_dir) if out_dir else ROOT / ".cache" / f"bench-llava-{num_layers}l"
+def build_bench_llava(out_dir: str | Path | None = None, *, num_layers: int = 30, seed: int = 0,
+                      image_size: int = 224) -> Path:
+    """`image_size` sets the CLIP tower's input (patch 16): 224 px = 196 image tokens per
+    image, 96 px = 36 (the decode-heavy workload's "a few dozen")."""
+    suffix = "" if image_size == 224 else f"-img{image_size}"
+    out = Path(out_dir) if out_dir else ROOT / ".cache" / f"bench-llava-{num_layers}l{suffix}"
     if (out / "config.json").exists():
         return out
     path = build_tiny_llava(out, seed=seed, num_kv_heads=3, tie_word_embeddings=True, text_layers=num_layers,
-                            hidden=576, num_heads=9, intermediate=1536, image_size=224, patch_size=16,
+                            hidden=576, num_heads=9, intermediate=1536, image_size=image_size, patch_size=16,
                             max_position_embeddings=2048, init_std=0.02, vocab_size=49152,
                             tokenizer=build_full_vocab_tokenizer(49152))
     return path

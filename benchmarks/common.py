@@ -29,26 +29,59 @@ class Request:
     max_tokens: int
 
 
+WORKLOADS = ("mixed", "uniform", "decode-heavy")
+# Image size of the benchmark LLaVA's CLIP tower per workload (patch 16): 224 px = 196 image
+# tokens; decode-heavy's small images, 96 px = 36 image tokens.
+WORKLOAD_IMAGE_SIZE = {"mixed": 224, "uniform": 224, "decode-heavy": 96}
+
+
 def make_workload(kind: str, num_requests: int, seed: int = 0, vocab_size: int = 49152,
                   min_prompt: int = 16, max_prompt: int = 64, min_out: int = 8, max_out: int = 128,
                   uniform_len: int = 64) -> list[Request]:
-    """`mixed`: output lengths uniform in [min_out, max_out]; `uniform`: all `uniform_len`."""
-    if kind not in ("mixed", "uniform"):
-        raise ValueError(f"workload: got {kind!r}; expected 'mixed' or 'uniform'")
+    """`mixed`: output lengths uniform in [min_out, max_out]; `uniform`: all `uniform_len`;
+    `decode-heavy`: ~30-token prompts (24..40) and mixed outputs (a user's short questions on
+    small images, run on the 96 px checkpoint)."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"workload: got {kind!r}; expected one of {WORKLOADS}")
+    if kind == "decode-heavy":
+        min_prompt, max_prompt = 24, 40
     rng = random.Random(seed)
     reqs = []
     for i in range(num_requests):
         n = rng.randint(min_prompt, max_prompt)
         text = [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(n)]
-        out = rng.randint(min_out, max_out) if kind == "mixed" else uniform_len
+        out = uniform_len if kind == "uniform" else rng.randint(min_out, max_out)
         reqs.append(Request(text, seed * 100_003 + i, out))
     return reqs
+
+
+# `--large-images`: every request's image is a 1024x768 photo (assets/photos, upscaled once,
+# then a seed-dependent 1024x768 crop: distinct content per request, so no cache hits).
+LARGE_IMAGES = False
+LARGE_SIZE = (1024, 768)
+_PHOTOS: list = []
+
+
+def _large_photo(seed: int):
+    from PIL import Image
+
+    if not _PHOTOS:
+        folder = Path(__file__).resolve().parent.parent / "assets" / "photos"
+        for path in sorted(folder.glob("*.jpg")):
+            with Image.open(path) as img:
+                _PHOTOS.append(img.convert("RGB").resize((LARGE_SIZE[0] + 64, LARGE_SIZE[1] + 48),
+                                                         Image.Resampling.BICUBIC))
+    photo = _PHOTOS[seed % len(_PHOTOS)]
+    dx, dy = (seed // len(_PHOTOS)) % 64, (seed // (len(_PHOTOS) * 64)) % 48
+    return photo.crop((dx, dy, dx + LARGE_SIZE[0], dy + LARGE_SIZE[1]))
 
 
 def make_image(seed: int, size: int):
     import numpy as np
     from PIL import Image
 
+    if LARGE_IMAGES:
+        return _large_photo(seed)
     rng = np.random.RandomState(seed % (2**32))
     return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
 
@@ -65,6 +98,8 @@ def add_common_args(p) -> None:
     p.add_argument("--num-layers", type=int, default=30, help="decoder layers of the benchmark LLaVA")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--large-images", action="store_true",
+                   help="1024x768 photos (assets/photos, a distinct crop per request) instead of small random images")
 
 
 def set_threads(n: int) -> None:
@@ -79,10 +114,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def build_model(num_layers: int) -> str:
+def build_model(num_layers: int, image_size: int = 224) -> str:
     from bench_model import build_bench_llava
 
-    return str(build_bench_llava(num_layers=num_layers))
+    return str(build_bench_llava(num_layers=num_layers, image_size=image_size))
 
 
 # ---------------------------------------------------------------------- mmkit
@@ -106,9 +141,25 @@ def build_llm(model_dir: str, dtype: str, **kwargs):
 def setup(args, model_dir: str | None = None):
     """What every script does first, from its common flags: threads, the benchmark checkpoint
     (built once, cached), mmkit's LLM. Returns (model_dir, image_size, llm)."""
+    global LARGE_IMAGES
     set_threads(args.threads)
-    model_dir = model_dir or build_model(args.num_layers)
-    return model_dir, image_size_of(model_dir), build_llm(model_dir, args.dtype)
+    LARGE_IMAGES = bool(getattr(args, "large_images", False))
+    workload = getattr(args, "workload", "mixed")
+    model_dir = model_dir or build_model(args.num_layers, WORKLOAD_IMAGE_SIZE.get(workload, 224))
+    llm_kwargs = {}
+    if getattr(args, "no_async_preprocess", False):
+        llm_kwargs["async_preprocess"] = False
+    return model_dir, image_size_of(model_dir), build_llm(model_dir, args.dtype, **llm_kwargs)
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * element size."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True).text_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
 
 
 # ---------------------------------------------------------------------- transformers

@@ -86,6 +86,9 @@ class EngineConfig:
     limit_mm_per_prompt: Mapping[str, int]
     tokenizer_path: str
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=dict)  # engine-wide processor options
+    # Images of waiting requests preprocessed on worker threads, at most this many ahead
+    # (mmkit/engine/mm_prefetcher.py); 0 = on the engine thread at scheduling time.
+    preprocess_lookahead: int = 0
 
 
 @dataclass
@@ -113,6 +116,10 @@ class EngineArgs:
     # Processor options for every request (e.g. Qwen2-VL's {"min_pixels": ..., "max_pixels": ...});
     # a request's own `mm_processor_kwargs` override them key by key.
     mm_processor_kwargs: Mapping[str, Any] | None = None
+    # Overlapped preprocessing: the HF image processor runs on a small thread pool for up to
+    # `preprocess_lookahead` images of queued requests ahead of scheduling.
+    async_preprocess: bool = True
+    preprocess_lookahead: int = 16
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -142,6 +149,7 @@ class EngineArgs:
             limit_mm_per_prompt=dict(self.limit_mm_per_prompt),
             tokenizer_path=str(self.tokenizer or model_path),
             mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
+            preprocess_lookahead=self.preprocess_lookahead if self.async_preprocess else 0,
         )
 
     def _validate(self) -> None:
@@ -153,6 +161,9 @@ class EngineArgs:
             raise ValueError(f"device: got {self.device!r}; expected one of {list(_DEVICES)}")
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
+        _check_positive("preprocess_lookahead", self.preprocess_lookahead)
+        if not isinstance(self.async_preprocess, bool):
+            raise TypeError(f"async_preprocess: got {type(self.async_preprocess).__name__}; expected bool")
         if isinstance(self.encoder_cache_memory, bool) or not isinstance(self.encoder_cache_memory, int) \
                 or self.encoder_cache_memory < 0:
             raise ValueError(f"encoder_cache_memory: got {self.encoder_cache_memory!r}; expected bytes >= 0")

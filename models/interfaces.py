@@ -79,7 +79,8 @@ class SupportsMultiModal(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        """[num_rows, hidden] -> [num_rows, vocab] (model dtype or float32; the runner and
+        sampler cast to float32 where they transform logits)."""
         ...
 
     def load_checkpoint(self, path: Any) -> None: ...
@@ -162,5 +163,7 @@ class DecoderLMMixin:
         return self.language_model(inputs_embeds, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden] (last positions only) -> [num_rows, vocab] float32
-        return self.lm_head(hidden).float()
+        # hidden: [num_rows, hidden] (last positions only) -> [num_rows, vocab] in the model's
+        # dtype: the sampler casts to float32 only where it transforms them (greedy argmax
+        # reads bf16 directly; a [128, vocab] float copy per step cost as much as sampling).
+        return self.lm_head(hidden)

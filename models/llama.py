@@ -37,23 +37,33 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
 
     @torch.no_grad()
-    def pack(self) -> None:
+    def pack(self, release_weight: bool = False) -> None:
+        """`release_weight`: drop the row-major weight once packed (the packed copy is the
+        only one then: half the resident weight memory). Not for a weight shared with
+        another module (a tied LM head)."""
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
             if _can_pack(self.weight) else None
+        if self._packed is not None and release_weight:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
+        if packed is not None:
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
+            if self.weight.numel() == 0:  # released: any other shape/dtype through the packed copy
+                flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+                out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [None], "")
+                return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return super().forward(x)
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, release_weights: bool = False) -> int:
     """Pack every `Linear` under `module` (call after the final dtype/device cast)."""
     count = 0
     for m in module.modules():
         if isinstance(m, Linear):
-            m.pack()
+            m.pack(release_weights)
             count += m._packed is not None
     return count
 

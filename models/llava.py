@@ -56,7 +56,9 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and
         LM head). Returns the number of packed linears (0 on CUDA and in float32)."""
         self.language_model.rotary.float()  # the table stays float32 (cast per use), like HF
-        return pack_linears(self.language_model) + pack_linears(self.lm_head)
+        # The decoder's weights live only in packed form (their row-major copies are dropped);
+        # the LM head keeps its weight: it may be the token embedding (tied).
+        return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod

@@ -134,6 +134,8 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         """Stop the background loop and its worker thread."""
         self._shutdown = True
+        if self.engine.prefetcher is not None:
+            self.engine.prefetcher.shutdown()
         if self._loop_task is not None and not self._loop_task.done():
             self._loop_task.cancel()
         if self._worker is not None:

@@ -19,6 +19,7 @@ import torch
 from mmkit.config import EngineArgs, EngineConfig
 from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
+from mmkit.engine.mm_prefetcher import MultiModalPrefetcher
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -48,6 +49,10 @@ class LLMEngine:
                                                    config.limit_mm_per_prompt, config.mm_processor_kwargs)
         self.tokenizer = self.input_processor.tokenizer
         self.model_runner = ModelRunner(config, self.input_processor)
+        self.prefetcher: MultiModalPrefetcher | None = None
+        if config.preprocess_lookahead > 0:
+            self.prefetcher = MultiModalPrefetcher(self.input_processor, config.preprocess_lookahead)
+            self.model_runner.mm_item_inputs = self.prefetcher.mm_item_inputs
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
@@ -153,6 +158,8 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, final_only)
         self.scheduler.add_request(group)
+        if self.prefetcher is not None and processed.images and processed.image_embeds is None:
+            self.prefetcher.add_request(request_id, processed.images)
 
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
@@ -166,6 +173,7 @@ class LLMEngine:
             self.scheduler.abort_request(rid)
             self.output_processor.remove(rid)
             self._request_errors.pop(rid, None)
+            self._release_images(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
@@ -210,7 +218,10 @@ class LLMEngine:
         for seq_id, (start, lp) in result.prompt_logprobs.items():
             op.add_prompt_logprobs(update.scheduled[seq_id].group.request_id, start, lp)
         now = time.time()
+        prefetcher = self.prefetcher
         for seq, row in update.samples:
+            if prefetcher is not None and prefetcher.holds(seq.group.request_id):
+                prefetcher.release(seq.group.request_id)  # its prompt is computed: images done
             status = op.process_sample(seq.group.request_id, seq.index, out, row, now)
             if status is not None:
                 self.scheduler.finish_seq(seq, status)
@@ -221,13 +232,19 @@ class LLMEngine:
             output = self.output_processor.make_output(rid)
             if output is not None:
                 outputs.append(output)
-            self.scheduler.remove_if_finished(group)
+            if self.scheduler.remove_if_finished(group):
+                self._release_images(rid)
         return outputs
+
+    def _release_images(self, request_id: str) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.release(request_id)
 
     def _fail_requests(self, exc: RequestError) -> list[RequestOutput]:
         outputs = []
         for rid in exc.request_ids:
             group = self.scheduler.abort_request(rid)
+            self._release_images(rid)
             if group is None:
                 continue
             self.output_processor.finish_request(rid, SequenceStatus.FINISHED_ABORTED)

@@ -56,6 +56,9 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # No text is seen before the request finishes and no stop string needs it: skip the
+    # per-token incremental decode; every finish path decodes the full text once (`flush`).
+    text_at_finish_only: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -71,7 +74,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, final_only: bool) -> None:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, final_only)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, final_only,
+                             text_at_finish_only=final_only and not params.stop)
         state.seqs[0] = SeqOutputState(0, list(prompt_token_ids), len(prompt_token_ids))
         self.requests[request_id] = state
 
@@ -105,7 +109,8 @@ class OutputProcessor:
                 self.tokenizer, token, out.logprobs[row], out.ranks[row] if out.ranks else None,
                 out.top_ids[row] if out.top_ids else None,
                 out.top_logprobs[row] if out.top_logprobs else None, params.logprobs))
-        new_chars = len(detokenizer.decode_incrementally(self.tokenizer, seq, params))
+        new_chars = 0 if state.text_at_finish_only else len(
+            detokenizer.decode_incrementally(self.tokenizer, seq, params))
         status = check_stop(seq, params, self.tokenizer, self.max_model_len, new_chars)
         if status is not None:
             seq.finish_reason = status.value
@@ -121,6 +126,8 @@ class OutputProcessor:
             seq = state.seqs[index] = SeqOutputState(index, list(state.prompt_token_ids), len(state.prompt_token_ids))
         if seq.finish_reason is None:
             seq.finish_reason = status.value
+            if state.text_at_finish_only:
+                detokenizer.flush(self.tokenizer, seq, state.params, drop_last=False)
 
     def finish_request(self, request_id: str, status: SequenceStatus) -> None:
         """Every sample of the request stops (a failed request)."""

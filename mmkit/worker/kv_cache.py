@@ -42,8 +42,27 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int) -> 
     # see mmkit/layers/attention.py). Zero-filled: padded positions are masked, and a zero
     # (never NaN) value times a zero weight keeps the output finite.
     shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    zeros = _lazy_zeros if model.device.type == "cpu" else torch.zeros
     return [
-        (torch.zeros(shape, dtype=model.dtype, device=model.device),
-         torch.zeros(shape, dtype=model.dtype, device=model.device))
+        (zeros(shape, dtype=model.dtype, device=model.device),
+         zeros(shape, dtype=model.dtype, device=model.device))
         for _ in range(model.num_layers)
     ]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose pages become resident only when written (CPU).
+
+    `torch.zeros` memsets the whole cache at start-up, so the process holds the full KV
+    budget (4 GiB by default) from the first second. `numpy.zeros` is `calloc`: a large
+    block comes straight from fresh, kernel-zeroed pages, and a page is committed the first
+    time a block in it is written. Resident memory then follows the blocks actually used
+    (vLLM's CPU backend reserves its whole KV space up front instead)."""
+    import numpy as np
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for n in shape:
+        numel *= n
+    storage = np.zeros(numel, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[elem])
+    return torch.from_numpy(storage).view(dtype).view(shape)

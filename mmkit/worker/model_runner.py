@@ -62,6 +62,8 @@ class ModelRunner:
         model.load_checkpoint(Path(mc.path))
         self.model = model.to(dtype=self.dtype).eval()
         self.model.prepare_for_inference()
+        if self.device.type == "cpu":
+            _release_freed_memory()  # the float32 load copies and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
@@ -71,6 +73,8 @@ class ModelRunner:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
         self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        # (request id, item) -> the item's model inputs; the engine installs its prefetcher's.
+        self.mm_item_inputs = lambda request_id, item: self.input_processor.mm_item_inputs(item)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -112,6 +116,8 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        if self.sampler_hooks:
+            logits = logits.float()  # hooks get float32 rows (seq_state.SamplerHook)
         for hook in self.sampler_hooks:
             hook.apply(logits, row_states)
         out = self.sampler(logits, rows)
@@ -156,7 +162,7 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).log_softmax(dim=-1)
+        return self.model.compute_logits(hidden).float().log_softmax(dim=-1)
 
     def _sampling_rows(self, state: CachedSeqState) -> list[SamplingRow]:
         params = state.params
@@ -222,7 +228,7 @@ class ModelRunner:
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
             try:
-                inputs = self.input_processor.mm_item_inputs(e.item)
+                inputs = self.mm_item_inputs(e.request_id, e.item)
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
                 raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
             to_encode.append(e)
@@ -285,6 +291,19 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
             k_cache[:, dst] = k_cache[:, src]
             v_cache[:, dst] = v_cache[:, src]
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed during loading back to the OS (glibc keeps freed heap pages
+    resident otherwise: ~200 MB for the benchmark LLaVA). A no-op without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

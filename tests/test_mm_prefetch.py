@@ -1,0 +1,111 @@
+"""Overlapped preprocessing (mmkit/engine/mm_prefetcher.py): identical outputs with and
+without it, a bounded lookahead, and a worker failure that ends only its own request."""
+
+import threading
+import time
+
+import pytest
+
+from conftest import get_llm, hf_greedy, make_image
+from mmkit import LLM, EngineArgs, RequestFailedError, SamplingParams
+
+PROMPT = "USER: <image>\nWhat is in the image? ASSISTANT:"
+TWO = "USER: <image> and <image>\nCompare them. ASSISTANT:"
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def inputs(n):
+    out = []
+    for i in range(n):
+        if i % 3 == 2:  # some prompts carry two images
+            out.append({"prompt": TWO, "multi_modal_data": {"image": [make_image(100 + i), make_image(200 + i, 33, 50)]}})
+        else:
+            out.append({"prompt": PROMPT, "multi_modal_data": {"image": make_image(100 + i, 64, 48)}})
+    return out
+
+
+def test_outputs_identical_with_and_without_async_preprocess(tiny_ckpt):
+    batch = inputs(7)
+    on = LLM(str(tiny_ckpt), dtype="float32", max_num_batched_tokens=64, preprocess_lookahead=3)
+    off = get_llm(tiny_ckpt, async_preprocess=False)
+    assert off.llm_engine.prefetcher is None
+    got_on = token_ids(on.generate(batch, GREEDY, use_tqdm=False))
+    assert got_on == token_ids(off.generate(batch, GREEDY, use_tqdm=False))
+    prefetcher = on.llm_engine.prefetcher
+    assert prefetcher.num_prefetched > 0  # the images really came from the workers
+    assert prefetcher.num_in_flight == 0 and not prefetcher._live  # nothing left behind
+    # And against transformers (float32 greedy) for one request.
+    ref = hf_greedy(str(tiny_ckpt), PROMPT, [make_image(100, 64, 48)], max_new_tokens=5, ignore_eos=True)
+    assert list(got_on[0]) == list(ref)
+
+
+def test_lookahead_bounds_the_work_done_ahead(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), dtype="float32", max_num_batched_tokens=64, preprocess_lookahead=2)
+    engine = llm.llm_engine
+    processor = engine.input_processor
+    original = processor.mm_item_inputs
+    lock = threading.Lock()
+    state = {"calls": 0, "in_workers": 0}
+
+    def counting(item):
+        with lock:
+            state["calls"] += 1
+            state["in_workers"] += threading.current_thread().name.startswith("mmkit-preprocess")
+        return original(item)
+
+    processor.mm_item_inputs = counting
+    for i, inp in enumerate(inputs(6)):
+        engine.add_request(f"r{i}", inp, GREEDY)
+    time.sleep(0.5)  # let the workers finish what they were given
+    assert state["calls"] == 2  # 8 images queued, only `lookahead` processed ahead
+    assert engine.prefetcher.num_in_flight == 2
+    max_seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        max_seen = max(max_seen, engine.prefetcher.num_in_flight)
+    assert max_seen <= 2
+    assert state["calls"] == 8 and state["in_workers"] >= 2
+    assert engine.prefetcher.num_in_flight == 0 and not engine.prefetcher._live
+
+
+def test_image_that_fails_in_a_worker_fails_only_its_request(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), dtype="float32", max_num_batched_tokens=64)
+    processor = llm.llm_engine.input_processor
+    original = processor.mm_item_inputs
+    bad = make_image(7, 41, 31)
+    threads = []
+
+    def fragile(item):
+        if item.source is bad:
+            threads.append(threading.current_thread().name)
+            raise OSError("worker could not resize the image")
+        return original(item)
+
+    processor.mm_item_inputs = fragile
+    batch = inputs(4)
+    batch.insert(1, {"prompt": PROMPT, "multi_modal_data": {"image": bad}})
+    with pytest.raises(RequestFailedError, match=r"1 of 5 prompts failed: inputs\[1\].*could not resize") as info:
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    assert threads and threads[0].startswith("mmkit-preprocess")  # it failed in a worker
+    err = info.value
+    assert list(err.failed) == [1] and isinstance(err.failed[1], OSError) and err.outputs[1] is None
+    good = [batch[i] for i in (0, 2, 3, 4)]
+    ref = get_llm(tiny_ckpt, async_preprocess=False).generate(good, GREEDY, use_tqdm=False)
+    assert token_ids([err.outputs[i] for i in (0, 2, 3, 4)]) == token_ids(ref)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.prefetcher._live
+    assert engine.prefetcher.num_in_flight == 0
+    assert token_ids(llm.generate(good[:2], GREEDY, use_tqdm=False)) == token_ids(ref[:2])  # still usable
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"preprocess_lookahead": 0}, ValueError, r"preprocess_lookahead: got 0; expected a positive integer"),
+    ({"async_preprocess": "yes"}, TypeError, r"async_preprocess: got str; expected bool"),
+])
+def test_bad_preprocess_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EngineArgs(model=None, **kwargs).create_engine_config()
