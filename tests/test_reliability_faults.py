@@ -262,8 +262,11 @@ def test_keyboard_interrupt_mid_generate_leaves_nothing(tiny_ckpt, monkeypatch, 
         monkeypatch.setattr(detokenizer, "decode_incrementally", interrupt_on_fifth(detokenizer.decode_incrementally))
     else:
         monkeypatch.setattr(engine.input_processor, "pixel_values", interrupt_on_fifth(engine.input_processor.pixel_values))
+    # NOTE: `generate` decodes text once at finish unless a stop string needs it per token; a
+    # stop string that never matches keeps the detokenizer in the decode loop.
+    params = long_params(30, stop=["never in this vocabulary"]) if where == "detokenize" else long_params(30)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(batch(6), long_params(30), use_tqdm=False)
+        llm.generate(batch(6), params, use_tqdm=False)
     assert calls["n"] >= 1
     assert_engine_empty(engine)
     monkeypatch.undo()
