@@ -175,7 +175,6 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
     Rows are admitted `max_in_flight` at a time (default: all), so at most that many rows'
     images are decoded at once; the engine batches the admitted rows continuously.
     """
-    from mmkit.errors import RequestError
     from mmkit.inputs import parse_prompt
 
     engine = llm.llm_engine
@@ -212,14 +211,13 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
             if not pending:
                 continue
             try:
-                outputs = engine.step()
-            except RequestError as exc:
-                fail(exc.request_ids, exc.__cause__ or exc)
-                continue
+                step = engine.step_result()  # the engine's one step driver and failure policy
             except Exception as exc:  # noqa: BLE001 - the model call failed: the rows in flight carry it
                 fail(list(pending), exc)
                 continue
-            for out in outputs:
+            for rid, exc in step.errors.items():  # failed after admission: that row alone
+                fail([rid], exc)
+            for out in step.outputs:
                 if out.finished and out.request_id in pending:
                     i = pending.pop(out.request_id)
                     results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)

@@ -115,3 +115,32 @@ def test_build_processor_and_eval_ray_reject_bad_arguments_before_starting_ray(t
     assert not ray.is_initialized()
     err = capsys.readouterr().err
     assert "missing.parquet' does not exist" in err and "bad.parquet" in err and "Traceback" not in err
+
+
+def test_row_whose_image_fails_at_scheduling_carries_the_error(tiny_ckpt, monkeypatch):
+    """An image that decodes but fails in the image processor (when its request is scheduled)
+    ends that row alone with `error`; the other rows equal `LLM.generate`."""
+    from mmkit import LLM
+
+    llm = LLM(str(tiny_ckpt), dtype="float32")
+    processor = llm.llm_engine.input_processor
+    original = processor.pixel_values
+
+    def fragile(images):
+        if any(item.width == 13 for item in images):
+            raise OSError("broken image data")
+        return original(images)
+
+    monkeypatch.setattr(processor, "pixel_values", fragile)
+    bad = io.BytesIO()
+    make_image(5, width=13).save(bad, format="PNG")
+    rows = [{"prompt": PROMPT, "image": png_bytes(1)}, {"prompt": PROMPT, "image": bad.getvalue()},
+            {"prompt": "Hello there"}]
+    out = run_rows(llm, rows, GREEDY)
+    assert out[1]["error"] is not None and "broken image data" in out[1]["error"]
+    assert out[1]["generated_text"] is None and out[1]["finish_reason"] is None
+    ref = get_llm(tiny_ckpt).generate(
+        [{"prompt": PROMPT, "multi_modal_data": {"image": load_image_bytes(png_bytes(1), where="ref")}}, "Hello there"],
+        GREEDY, use_tqdm=False)
+    assert [out[0]["generated_tokens"], out[2]["generated_tokens"]] == [list(o.outputs[0].token_ids) for o in ref]
+    assert out[0]["error"] is None and out[2]["error"] is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from mmkit.structured_outputs.spec import GrammarSpec, xgrammar_message
+from mmkit.structured_outputs.spec import GrammarSpec, build_grammar, xgrammar_message
 
 if TYPE_CHECKING:
     from mmkit.sampling_params import StructuredOutputsParams
@@ -55,13 +55,9 @@ class StructuredOutputBackend:
         return compiled
 
     def _compile(self, spec: GrammarSpec):
-        if spec.kind == "json":
-            return self.compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
-        if spec.kind == "regex":
-            return self.compiler.compile_regex(spec.text)
-        if spec.kind == "lark":
-            return self.compiler.compile_lark(spec.text)
-        return self.compiler.compile_grammar(spec.text)  # choice and EBNF grammars
+        # One translation of a spec into an xgrammar Grammar (spec.build_grammar, also the
+        # validator's); the compiler turns it into token masks for this tokenizer.
+        return self.compiler.compile_grammar(build_grammar(spec))
 
     def new_request(self, params: "StructuredOutputsParams") -> "StructuredOutputRequest":
         from mmkit.structured_outputs.request import StructuredOutputRequest

@@ -116,10 +116,13 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        if self.sampler_hooks:
+        # NOTE: hooks act only on sequences that hold sampler state (e.g. a grammar matcher);
+        # a step without any keeps the model-dtype logits and skips the [rows, vocab] copy,
+        # even after a hook was registered by an earlier constrained request.
+        if self.sampler_hooks and any(s.sampler_state for s in row_states):
             logits = logits.float()  # hooks get float32 rows (seq_state.SamplerHook)
-        for hook in self.sampler_hooks:
-            hook.apply(logits, row_states)
+            for hook in self.sampler_hooks:
+                hook.apply(logits, row_states)
         out = self.sampler(logits, rows)
         row = 0
         for state, count in zip(sampled, row_counts):
