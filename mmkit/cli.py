@@ -18,8 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 CAPTION_QUESTION = "Describe the image."
@@ -188,9 +190,14 @@ def cmd_eval_ray(args) -> int:
     data = EvalData(args.data)
     results = ResultsFile(args.output)
     cpus = args.num_cpus_per_replica or 1
+    # NOTE: the driver needs torch only to validate the engine arguments; importing it on a
+    # thread while Ray starts its own processes takes ~1.5 s off the run's critical path.
+    warm = threading.Thread(target=importlib.import_module, args=("mmkit.config",), daemon=True)
+    warm.start()
     # NOTE: replicas hold their CPUs for the whole run; one more logical CPU keeps Ray Data's
     # own small tasks schedulable on a machine whose cores the replicas take.
     init_ray(args.ray_address, num_cpus=max(os.cpu_count() or 1, int(args.concurrency * cpus + 0.999) + 1))
+    warm.join()
     try:
         summary = run_ray_evaluation(
             data, results, model=args.model, sampling_params=_params(args),

@@ -124,14 +124,13 @@ def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | Non
     processor = build_processor(model, sampling_params, concurrency=concurrency, batch_size=batch_size,
                                 num_gpus_per_replica=num_gpus_per_replica,
                                 num_cpus_per_replica=num_cpus_per_replica, max_in_flight=max_in_flight,
-                                **engine_args)
+                                output_columns=["index", "generated_text", "num_input_tokens",
+                                                "num_generated_tokens", "error"], **engine_args)
     start = time.perf_counter()
     num_input = num_generated = num_done = 0
     try:
         if todo:
-            out = processor(data.dataset(todo)).select_columns(
-                ["index", "generated_text", "num_input_tokens", "num_generated_tokens", "error"])
-            for row in out.iter_rows():
+            for row in processor(data.dataset(todo)).iter_rows():
                 item = by_index[row["index"]]
                 if row["error"] is not None:
                     results.write(make_record(item, None, f"item {item.index} ({item.image}): {row['error']}"))

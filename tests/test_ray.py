@@ -185,3 +185,23 @@ def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
     hf_data = EvalData(str(tmp_path / "hf.parquet"))
     rows = hf_data.dataset(hf_data.items[2:]).take_all()
     assert [r["index"] for r in rows] == list(range(2, 10)) and [r["image"] for r in rows] == images[2:]
+
+
+def test_processor_output_columns(ray_session, tiny_ckpt):
+    """`output_columns` keeps only the named columns, chosen inside the replica; a name that is
+    neither an input nor a generation column is a clear error."""
+    from mmkit.ray import EngineReplica, build_processor
+
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    rows = [{"id": i, "prompt": PROMPT, "image": image_bytes(i)} for i in range(4)]
+    processor = build_processor(str(tiny_ckpt), greedy, batch_size=2, dtype="float32",
+                                output_columns=["id", "generated_text", "error"])
+    out = processor(ray.data.from_items(rows)).take_all()
+    assert sorted(r["id"] for r in out) == [0, 1, 2, 3]
+    assert all(set(r) == {"id", "generated_text", "error"} and r["error"] is None for r in out)
+    with pytest.raises(TypeError, match="output_columns"):
+        build_processor(str(tiny_ckpt), greedy, output_columns="id")
+    replica = EngineReplica(str(tiny_ckpt), greedy, {"dtype": "float32"}, 1, None, {}, ("id", "answer"))
+    with pytest.raises(ValueError, match=r"output_columns: \['answer'\] are neither columns of the rows "
+                                         r"\['id', 'prompt', 'image'\]"):
+        replica(pa.Table.from_pylist(rows[:1]))
