@@ -17,17 +17,8 @@ from mmkit.inputs import ImageItem
 
 
 def image_content_hash(item: ImageItem) -> str:
-    """Hash of the pixels as the image processor will see them (not of a file name).
-
-    A float tensor, the equal uint8 tensor and the equal PIL image hash alike.
-    """
-    img = item.to_pil()
-    h = hashlib.sha256()
-    h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
-    if item.layout:
-        h.update(f"layout={item.layout}:".encode())
-    h.update(img.tobytes())
-    return h.hexdigest()
+    """Hash of the pixels as the image processor will see them (see `ImageItem.content_hash`)."""
+    return item.content_hash()
 
 
 def embeds_content_hash(embeds: torch.Tensor) -> str:

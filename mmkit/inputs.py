@@ -7,6 +7,8 @@ is added, so a bad input at index 7 leaves nothing behind from indices 0..6.
 from __future__ import annotations
 
 import enum
+import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence, TypedDict, Union
 
@@ -63,6 +65,15 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_
 _MM_DICT_KEYS = {"image": MultiModalData.Type.IMAGE, "image_embeds": MultiModalData.Type.IMAGE_EMBEDS}
 
 
+# NOTE: a lazily opened PIL file decodes in place on first access and PIL's `load` is not
+# thread-safe; a prefetch worker and the engine thread can reach the same image at once.
+_DECODE_LOCKS = tuple(threading.RLock() for _ in range(64))  # striped by id(source) >> 4
+
+
+def _decode_lock(source: Any) -> threading.RLock:
+    return _DECODE_LOCKS[(id(source) >> 4) % len(_DECODE_LOCKS)]  # ids are 16-byte aligned
+
+
 @dataclass
 class ImageItem:
     """One validated raw image; converted to PIL only when its request is scheduled."""
@@ -75,6 +86,27 @@ class ImageItem:
     # LLaVA-OneVision's "base_view" for the images of a multi-image prompt ("" = the default).
     # NOTE: part of the content hash, so cached embeddings and KV blocks never mix layouts.
     layout: str = ""
+    _hash: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def content_hash(self) -> str:
+        """SHA-256 of the pixels as the image processor will see them (not of a file name),
+        with the layout: computed once per item, usually by a prefetch worker ahead of the
+        scheduler that needs it for cache keys (a second caller waits for the first). A float
+        tensor, the equal uint8 tensor and the equal PIL image hash alike."""
+        if self._hash is None:
+            with _decode_lock(self.source):
+                if self._hash is None:
+                    self._hash = self._compute_hash()
+        return self._hash
+
+    def _compute_hash(self) -> str:
+        img = self.to_pil()
+        h = hashlib.sha256()
+        h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
+        if self.layout:
+            h.update(f"layout={self.layout}:".encode())
+        h.update(img.tobytes())
+        return h.hexdigest()
 
     def to_pil(self) -> Image.Image:
         """The image as PIL; a lazily opened file that fails to decode is a `ValueError`."""
@@ -91,7 +123,8 @@ class ImageItem:
     def _loaded_pil(self, img: Image.Image) -> Image.Image:
         # A lazily opened file (Image.open) decodes on first load; its errors name the input.
         try:
-            img.load()
+            with _decode_lock(img):
+                img.load()
         except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ...
             name = getattr(img, "filename", "") or "PIL image"
             raise ValueError(

@@ -72,6 +72,42 @@ def test_lookahead_bounds_the_work_done_ahead(tiny_ckpt):
     assert engine.prefetcher.num_in_flight == 0 and not engine.prefetcher._live
 
 
+def test_lazily_opened_files_decode_and_hash_in_the_workers(tiny_ckpt, tmp_path):
+    """`Image.open(path)` images (decoded on first access): the decode and the content hash
+    happen in a prefetch worker, not on the engine thread; the same lazily opened object in
+    many requests at once is decoded once, safely; outputs equal the preloaded images'."""
+    from PIL import Image
+
+    from mmkit.inputs import ImageItem
+
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"photo{i}.jpg")
+        make_image(300 + i, 96, 72).save(paths[-1], quality=90)
+    shared = Image.open(paths[0])  # one lazily opened object in six requests
+    lazy = [{"prompt": PROMPT, "multi_modal_data": {"image": shared if i < 6 else Image.open(paths[i % 4])}}
+            for i in range(10)]
+    loaded = [{"prompt": PROMPT, "multi_modal_data": {"image": Image.open(paths[0] if i < 6 else paths[i % 4])
+                                                      .convert("RGB")}} for i in range(10)]
+    hashed_on = []
+    original = ImageItem._compute_hash
+
+    def recording(item):
+        hashed_on.append(threading.current_thread().name)
+        return original(item)
+
+    llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=16)
+    ImageItem._compute_hash = recording
+    try:
+        got = token_ids(llm.generate(lazy, GREEDY, use_tqdm=False))
+    finally:
+        ImageItem._compute_hash = original
+    # Each item hashed exactly once, the workers taking their share (the engine thread
+    # computes what it reaches first: the first step schedules all ten requests at once).
+    assert len(hashed_on) == 10 and any(name.startswith("mmkit-preprocess") for name in hashed_on), hashed_on
+    assert got == token_ids(get_llm(tiny_ckpt, async_preprocess=False).generate(loaded, GREEDY, use_tqdm=False))
+
+
 def test_image_that_fails_in_a_worker_fails_only_its_request(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), dtype="float32", max_num_batched_tokens=64)
     processor = llm.llm_engine.input_processor

@@ -3,9 +3,10 @@
 Without it the HF image processor (PIL conversion, resize, rescale, normalise) runs on the
 engine thread when the scheduler hands an image to the runner, so the forward pass waits
 for it. `MultiModalPrefetcher` submits the images of queued requests, in arrival order, to a
-small thread pool as soon as they are added (PIL's resize and numpy's arithmetic release the
-GIL, so they overlap the model's matmuls); the runner then takes a finished result instead
-of computing it. Same function, same inputs: the pixel values are identical.
+small thread pool as soon as they are added, together with their content hash (so a lazily
+opened file is decoded there too); PIL's decode and resize, hashlib and numpy's arithmetic
+release the GIL, so they overlap the model's matmuls. The runner then takes a finished result
+instead of computing it. Same function, same inputs: the pixel values are identical.
 
 Bounded: at most `lookahead` images are in flight or done-but-not-taken, so memory stays
 `lookahead x [3, H, W]` floats however many requests wait. A slot frees when the runner takes
@@ -44,6 +45,7 @@ class MultiModalPrefetcher:
         self._queue: deque[tuple[str, ImageItem]] = deque()  # not yet submitted, arrival order
         # request id -> id(item) -> Future (submitted) or _TAKEN
         self._live: dict[str, dict[int, Any]] = {}
+        self._num_items: dict[str, int] = {}  # request id -> its number of items
         self._in_flight = 0  # submitted, neither taken nor released
         self._lock = threading.Lock()  # add/take/release may come from different threads (AsyncLLMEngine)
         self.num_prefetched = 0  # results taken from a worker (for tests/metrics)
@@ -55,6 +57,7 @@ class MultiModalPrefetcher:
             return
         with self._lock:
             self._live[request_id] = {}
+            self._num_items[request_id] = len(items)
             self._queue.extend((request_id, item) for item in items)
             self._fill()
 
@@ -62,6 +65,7 @@ class MultiModalPrefetcher:
         """The request no longer needs its images (first token sampled, finished, aborted)."""
         with self._lock:
             entries = self._live.pop(request_id, None)
+            self._num_items.pop(request_id, None)
             if not entries:
                 return
             for value in entries.values():
@@ -72,6 +76,17 @@ class MultiModalPrefetcher:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._live
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether every image of the request has been prepared (or taken, or never was
+        the prefetcher's): the scheduler admits a request early only when it is."""
+        with self._lock:
+            entries = self._live.get(request_id)
+            if entries is None:
+                return True
+            if len(entries) < self._num_items[request_id]:
+                return False  # some still queued behind the lookahead
+            return all(v is _TAKEN or v.done() for v in entries.values())
 
     @property
     def num_in_flight(self) -> int:
@@ -104,6 +119,7 @@ class MultiModalPrefetcher:
                     if value is not _TAKEN:
                         value.cancel()
             self._live.clear()
+            self._num_items.clear()
             self._in_flight = 0
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -124,4 +140,8 @@ class MultiModalPrefetcher:
             self._in_flight += 1
 
     def _process(self, item: ImageItem):
+        # The scheduler needs the item's content hash (cache keys) before the runner needs its
+        # pixels; computing it here first takes the file decode and the SHA-256 of the pixels
+        # off the engine thread as well (the item keeps it).
+        item.content_hash()
         return self.input_processor.mm_item_inputs(item)

@@ -19,6 +19,7 @@ forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPl
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass, field
 
 from mmkit.config import SchedulerConfig
@@ -80,6 +81,9 @@ class Scheduler:
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
         self._plan: StepPlan | None = None
+        # request id -> whether its images' preprocessing is done (the engine's prefetcher);
+        # None: images are processed when the runner reaches them.
+        self.mm_ready: Callable[[str], bool] | None = None
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, group: SequenceGroup) -> None:
@@ -229,8 +233,15 @@ class Scheduler:
         return bm.find_cached_prefix(seq)
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
+        full_budget = self.config.max_num_batched_tokens
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            # NOTE: a request whose images a prefetch worker is still preparing waits while
+            # the step has other work, so the forward pass never waits for PIL; alone it is
+            # admitted (the runner then waits for its worker). Arrival order is kept.
+            if (self.mm_ready is not None and token_budget < full_budget
+                    and not self.mm_ready(seq.group.request_id)):
+                break
             hits = self._cached_prefix(seq)
             start = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - start, token_budget)

@@ -113,13 +113,12 @@ class SequenceGroup:
 
     def get_image_hashes(self) -> list[str]:
         if self.image_hashes is None:
-            from mmkit.hashing import embeds_content_hash, image_content_hash
+            from mmkit.hashing import embeds_content_hash
 
             if self.processed.image_embeds is not None:
                 self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
             else:
-                # Items that carry more than pixels (a video's frames, processor options)
-                # hash themselves (processors/qwen2_vl.py's VisionItem).
-                self.image_hashes = [item.content_hash() if hasattr(item, "content_hash") else
-                                     image_content_hash(item) for item in self.processed.images]
+                # Every item hashes itself, once (ImageItem; Qwen2-VL's VisionItem adds its
+                # frames and processor options); a prefetch worker has usually done it already.
+                self.image_hashes = [item.content_hash() for item in self.processed.images]
         return self.image_hashes
