@@ -102,10 +102,44 @@ def test_lazily_opened_files_decode_and_hash_in_the_workers(tiny_ckpt, tmp_path)
         got = token_ids(llm.generate(lazy, GREEDY, use_tqdm=False))
     finally:
         ImageItem._compute_hash = original
-    # Each item hashed exactly once, the workers taking their share (the engine thread
-    # computes what it reaches first: the first step schedules all ten requests at once).
+    # Each item hashed exactly once, the workers taking their share (the engine thread hashes
+    # a request it admits alone before a worker reached it).
     assert len(hashed_on) == 10 and any(name.startswith("mmkit-preprocess") for name in hashed_on), hashed_on
     assert got == token_ids(get_llm(tiny_ckpt, async_preprocess=False).generate(loaded, GREEDY, use_tqdm=False))
+
+
+def test_request_waits_for_its_images_while_others_run(tiny_ckpt):
+    """A request whose image a worker is still preparing is not admitted while the step has
+    other work: the running request decodes on; admitted once ready; outputs unchanged."""
+    llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=4)
+    engine = llm.llm_engine
+    processor = engine.input_processor
+    original = processor.mm_item_inputs
+    release = threading.Event()
+
+    def slow(item):
+        if item.width == 77:  # request "b"'s image only
+            assert release.wait(30)
+        return original(item)
+
+    processor.mm_item_inputs = slow
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(1, 64, 48)}}
+    b = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(2, 77, 50)}}
+    engine.add_request("a", a, params)
+    engine.step()  # a's prefill (alone: admitted even if its worker had not finished)
+    engine.add_request("b", b, params)
+    for _ in range(3):
+        engine.step()
+        assert [s.group.request_id for s in engine.scheduler.waiting] == ["b"]  # a decodes, b waits
+    assert not engine.prefetcher.is_ready("b")
+    release.set()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out.outputs[0].token_ids
+    ref = get_llm(tiny_ckpt, async_preprocess=False).generate([a, b], params, use_tqdm=False)
+    assert [list(outs["a"]), list(outs["b"])] == [list(o.outputs[0].token_ids) for o in ref]
 
 
 def test_image_that_fails_in_a_worker_fails_only_its_request(tiny_ckpt):
