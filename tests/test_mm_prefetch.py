@@ -179,3 +179,26 @@ def test_image_that_fails_in_a_worker_fails_only_its_request(tiny_ckpt):
 def test_bad_preprocess_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         EngineArgs(model=None, **kwargs).create_engine_config()
+
+
+def test_workers_run_torch_on_one_openmp_thread(tiny_ckpt):
+    """The prefetch workers' own OpenMP setting is 1 thread (a worker's team of OpenMP threads
+    would throttle the model team's spin-wait, see `_one_openmp_thread`); the engine thread's
+    setting and the default of threads started later are unchanged."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that "1" in the workers means something
+    try:
+        llm = LLM(str(tiny_ckpt), dtype="float32")
+        llm.generate(inputs(2), GREEDY, use_tqdm=False)
+        pool = llm.llm_engine.prefetcher._pool
+        assert pool is not None and pool.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)
