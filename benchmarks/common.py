@@ -1,6 +1,8 @@
 """Shared pieces of the side-by-side benchmarks: seeded workloads, both systems, timing helpers.
 
-Every script imports this module first: it sets OMP_WAIT_POLICY=PASSIVE before torch loads.
+Every script imports this module first: it sets OpenMP's environment before torch loads, the
+same defaults `import mmkit` and the `mmkit` command set (OMP_WAIT_POLICY=PASSIVE,
+GOMP_SPINCOUNT=20000); both systems run in the same process, so under the same settings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

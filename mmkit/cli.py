@@ -8,21 +8,15 @@
 
 from __future__ import annotations
 
+# NOTE: OpenMP's environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) is set by the package's
+# __init__, which runs before this module and before torch loads.
+import argparse
+import importlib
+import json
 import os
-
-# NOTE: before torch is imported anywhere: OpenMP's default spin-waiting makes small CPUs
-# 20-100x slower; the user's own setting wins. PASSIVE alone makes every parallel region wake
-# a sleeping worker (~80 us, measured; a decode step has hundreds of regions): a short bounded
-# spin first (GNU OpenMP's GOMP_SPINCOUNT) halves batch-1 decode time without the collapse.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-
-import argparse  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+import threading
+from pathlib import Path
 
 CAPTION_QUESTION = "Describe the image."
 
