@@ -5,6 +5,7 @@ mmkit/worker/model_loader.py, models/weight_utils.py)."""
 import contextlib
 import math
 import shutil
+import threading
 import weakref
 
 import pytest
@@ -179,6 +180,14 @@ def test_meta_parameters_keeps_buffers_sharing_and_restores_nn_module():
         raise RuntimeError("boom")
     assert nn.Module.register_parameter is original
     assert not nn.Linear(2, 2).weight.is_meta
+    # another thread building a module meanwhile gets real parameters
+    built = []
+    with meta_parameters():
+        worker = threading.Thread(target=lambda: built.append(nn.Linear(2, 2)))
+        worker.start()
+        worker.join()
+        assert nn.Linear(2, 2).weight.is_meta
+    assert not built[0].weight.is_meta and nn.Module.register_parameter is original
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
