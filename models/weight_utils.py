@@ -113,6 +113,9 @@ def _materialize(meta: nn.Parameter, tensor: torch.Tensor, dtype: torch.dtype | 
     return nn.Parameter(real, requires_grad=meta.requires_grad)
 
 
+_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)  # every value a float32 holds
+
+
 def _cast_as_built(tensor: torch.Tensor, built: torch.dtype) -> torch.Tensor:
     """`tensor` rounded as the build-then-cast path rounded it: checkpoint -> the dtype the
     parameter was built in -> the engine dtype. When the parameter was built in float32 and the
@@ -123,9 +126,6 @@ def _cast_as_built(tensor: torch.Tensor, built: torch.dtype) -> torch.Tensor:
     if tensor.dtype == built or (built == torch.float32 and tensor.dtype in _EXACT_IN_FLOAT32):
         return tensor
     return tensor.to(built)
-
-
-_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None = None,
