@@ -1,7 +1,7 @@
 """Build a model with its parameters on the meta device and its buffers real.
 
-The model runner builds the model inside `meta_parameters()` and the loader
-(`weight_utils.load_weights`) then creates each parameter once, directly in the engine's
+The model loader (`mmkit/worker/model_loader.py`) builds the model inside `meta_parameters()`;
+`weight_utils.load_weights` then creates each parameter once, directly in the engine's
 dtype and device, from its checkpoint tensor: loading never holds a float32 copy of the
 model next to the checkpoint (for a bf16 engine that copy was twice the final weights).
 Buffers (rotary tables, position ids) are computed in `__init__` as before, in the dtype and
