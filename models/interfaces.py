@@ -83,7 +83,10 @@ class SupportsMultiModal(Protocol):
         sampler cast to float32 where they transform logits)."""
         ...
 
-    def load_checkpoint(self, path: Any) -> None: ...
+    def load_checkpoint(self, path: Any, dtype: Any = None, device: Any = None) -> None:
+        """Load the weights; parameters built on the meta device (`meta_init.meta_parameters`)
+        are created in `dtype` on `device`."""
+        ...
 
     def prepare_for_inference(self) -> Any:
         """Called once after the final `.to(dtype)`: pack weights, keep tables in float32."""

@@ -49,8 +49,10 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         )
 
     # ------------------------------------------------------------------ loading
-    def load_checkpoint(self, path: Path) -> None:
-        load_vlm_checkpoint(self, path)
+    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> None:
+        """Meta parameters (see models/meta_init.py) are created in `dtype` on `device`."""
+        load_vlm_checkpoint(self, path, dtype, device)
 
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and

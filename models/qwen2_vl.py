@@ -51,8 +51,10 @@ class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
         return Qwen2VisionTransformerPretrainedModel
 
     # ------------------------------------------------------------------ loading
-    def load_checkpoint(self, path: Path) -> None:
-        load_vlm_checkpoint(self, path)
+    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> None:
+        """Meta parameters (see models/meta_init.py) are created in `dtype` on `device`."""
+        load_vlm_checkpoint(self, path, dtype, device)
 
     def prepare_for_inference(self) -> int:
         """After the final `.to(dtype, device)`: the vision tower's rotary frequencies back to

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mmkit.models.checkpoint_keys import KeyMapper, transformers_key_mapper
+from mmkit.models.meta_init import meta_tensor_names
 
 # Buffers some old checkpoints carry that mmkit recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
@@ -30,17 +31,34 @@ def checkpoint_files(path: Path) -> list[Path]:
 def iterate_weights(path: Path, key_mapper: KeyMapper) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(checkpoint key, mmkit name, tensor) for every tensor of the checkpoint."""
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():
                 yield key, key_mapper(key), f.get_tensor(key)
 
 
-def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_mapper: KeyMapper) -> None:
-    """Copy checkpoint tensors into `model` (converting dtype); error on anything missing.
+def _open_safetensors(file: Path):
+    """The file read tensor by tensor with pread(2) where safetensors can (0.8+): a memory map
+    keeps every page it has served resident until closed, which put the whole checkpoint on top
+    of the loaded model at the peak (the 30-layer benchmark's float32 file: 540 MB)."""
+    try:
+        return safe_open(str(file), framework="pt", backend="pread")
+    except TypeError:  # an older safetensors without `backend`
+        return safe_open(str(file), framework="pt")
 
-    `key_mapper` turns checkpoint keys into `model`'s names (see checkpoint_keys.py); the
-    errors name the keys as the checkpoint spells them."""
+
+def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_mapper: KeyMapper,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    """Copy checkpoint tensors into `model`; error on anything missing.
+
+    A parameter on the meta device (built under `meta_init.meta_parameters()`) is created here,
+    once, in `dtype` and on `device` (default: its own dtype, the CPU), with the values the
+    float32 build-then-cast path gives (see `_cast_as_built`); one with storage gets the
+    checkpoint tensor copied in (converted to its dtype), as do buffers. `key_mapper` turns
+    checkpoint keys into `model`'s names (see checkpoint_keys.py); the errors name the keys as
+    the checkpoint spells them."""
     params = dict(model.state_dict(keep_vars=True))
+    holders = _parameter_holders(model)
+    materialized: dict[int, nn.Parameter] = {}  # id(meta Parameter) -> its real replacement
     loaded: set[str] = set()
     unexpected: list[str] = []
     for key, name, tensor in iterate_weights(path, key_mapper):
@@ -54,11 +72,18 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
                 f"model: weight {key!r} has shape {tuple(tensor.shape)} in the checkpoint; the config "
                 f"implies {tuple(target.shape)}"
             )
+        target = materialized.get(id(target), target)  # a shared Parameter already created
         with torch.no_grad():
-            target.data.copy_(tensor.to(target.dtype))
+            if target.is_meta:
+                real = _materialize(target, tensor, dtype, device)
+                materialized[id(target)] = real
+                for module, local_name in holders[id(target)]:
+                    module._parameters[local_name] = real
+            else:
+                target.data.copy_(tensor.to(target.dtype))
         loaded.add(name)
     missing = [n for n in params if n not in loaded and not n.endswith(_IGNORED_SUFFIXES)]
-    if tie_word_embeddings or "lm_head.weight" not in loaded:
+    if tie_word_embeddings:  # the LM head is the token embedding (tied after loading)
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ValueError(f"model: checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:5]}")
@@ -68,14 +93,54 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
         )
 
 
-def load_vlm_checkpoint(model: nn.Module, path: Path) -> None:
+def _parameter_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(Parameter) -> every (module, attribute name) holding it (a shared one has several)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for local_name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, local_name))
+    return holders
+
+
+def _materialize(meta: nn.Parameter, tensor: torch.Tensor, dtype: torch.dtype | None,
+                 device: torch.device | str | None) -> nn.Parameter:
+    """A real Parameter for the meta one, in `dtype` (floating parameters only) on `device`."""
+    built = meta.dtype
+    target_dtype = dtype if dtype is not None and built.is_floating_point else built
+    real = torch.empty(meta.shape, dtype=target_dtype, device=device or "cpu")
+    real.copy_(_cast_as_built(tensor, built))
+    return nn.Parameter(real, requires_grad=meta.requires_grad)
+
+
+_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)  # every value a float32 holds
+
+
+def _cast_as_built(tensor: torch.Tensor, built: torch.dtype) -> torch.Tensor:
+    """`tensor` rounded as the build-then-cast path rounded it: checkpoint -> the dtype the
+    parameter was built in -> the engine dtype. When the parameter was built in float32 and the
+    checkpoint is float32/bf16/fp16, the first step is exact (every bf16/fp16 value is a
+    float32), so casting straight to the engine dtype rounds identically and no float32 copy
+    is made; otherwise (a float64 checkpoint, a tower transformers built in its config's half
+    dtype) the intermediate cast is kept, one tensor at a time."""
+    if tensor.dtype == built or (built == torch.float32 and tensor.dtype in _EXACT_IN_FLOAT32):
+        return tensor
+    return tensor.to(built)
+
+
+def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> None:
     """Load a vision-language checkpoint into `model` (an mmkit family class named after its
     transformers class, with `config`, `tie_word_embeddings`, `lm_head` and a `language_model`
     decoder): keys renamed by transformers' own conversion list for the class (every layout
     transformers loads), the LM head tied when the config says so, then the decoder's
-    projections fused."""
+    projections fused. Meta parameters are created in `dtype` on `device` (`load_weights`)."""
     mapper = transformers_key_mapper(model.config, type(model).__name__)
-    load_weights(model, path, model.tie_word_embeddings, mapper)
+    load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
+    params, buffers = meta_tensor_names(model)
+    if params or buffers:  # pragma: no cover - load_weights names missing weights first
+        names = params + buffers
+        raise ValueError(f"model: checkpoint {str(path)!r} lacks {len(names)} weights, e.g. {names[:5]}")
     model.language_model.fuse_weights()

@@ -46,3 +46,17 @@ def test_throughput_decode_heavy_rss_and_async_ab(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["prefetched"] > 0 and len(data["throughput_ratio_per_repeat"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("system", ["mmkit", "hf"])
+def test_load_rss_reports_the_loading_peak(system, tiny_ckpt, tmp_path):
+    out = tmp_path / "rss.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_rss.py"), "--system", system,
+                          "--model", str(tiny_ckpt), "--threads", "1", "--json", str(out)],
+                         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["system"] == system and data["dtype"] == "bfloat16"
+    assert data["peak_rss_mb"] >= data["rss_after_load_mb"] > data["rss_after_imports_mb"] > 0
+    assert "peak while loading" in res.stdout

@@ -8,9 +8,7 @@ the decoder forward on the paged cache, the LM head on the last positions and th
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -20,9 +18,9 @@ from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.scheduler_output import SchedulerOutput
 from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices, uses_mrope
-from mmkit.models.registry import get_model_class
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
 
@@ -37,16 +35,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (chunk start, [chunk_len, vocab])
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, input_processor) -> None:
         self.config = config
@@ -55,15 +43,9 @@ class ModelRunner:
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
         self.input_processor = input_processor
-        model_cls = get_model_class(mc.architecture)
-        max_positions = max(mc.max_model_len, getattr(mc.hf_config.get_text_config(), "max_position_embeddings", 0) or 0)
-        with _default_dtype(torch.float32), torch.device(self.device):
-            model = model_cls(mc.hf_config, max_positions)
-        model.load_checkpoint(Path(mc.path))
-        self.model = model.to(dtype=self.dtype).eval()
-        self.model.prepare_for_inference()
+        self.model = load_model(mc)
         if self.device.type == "cpu":
-            _release_freed_memory()  # the float32 load copies and unpacked weights, freed above
+            _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
