@@ -10,7 +10,7 @@ import enum
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypedDict, Union
+from typing import Any, Callable, Iterable, Sequence, TypedDict, Union
 
 import torch
 from PIL import Image
@@ -155,8 +155,12 @@ class ParsedPrompt:
         return len(self.images)
 
 
-def parse_inputs(inputs: Any) -> list[ParsedPrompt]:
-    """Turn a single input or a list of inputs into `ParsedPrompt`s (validates all)."""
+def parse_inputs(inputs: Any, image_map: Callable[..., Iterable[Any]] = map) -> list[ParsedPrompt]:
+    """Turn a single input or a list of inputs into `ParsedPrompt`s (validates all).
+
+    Lazily opened image files (`Image.open`) are decoded here, so a truncated file fails
+    before any request is added; `image_map` (a `map`, e.g. a thread pool's) decodes them
+    side by side. Errors come in input order, as if each input were parsed in turn."""
     if isinstance(inputs, (str, dict)):
         items: Sequence[Any] = [inputs]
     elif isinstance(inputs, (list, tuple)):
@@ -168,10 +172,35 @@ def parse_inputs(inputs: Any) -> list[ParsedPrompt]:
         )
     if len(items) == 0:
         raise ValueError("inputs: got an empty list; expected at least one prompt")
-    return [parse_prompt(i, item) for i, item in enumerate(items)]
+    parsed: list[ParsedPrompt] = []
+    try:
+        for i, item in enumerate(items):
+            parsed.append(parse_prompt(i, item, decode=False))
+    except (ValueError, TypeError):
+        decode_images(parsed)  # a bad file in an earlier input is the first error
+        raise
+    decode_images(parsed, image_map)
+    return parsed
 
 
-def parse_prompt(index: int, item: Any) -> ParsedPrompt:
+def decode_images(parsed: Sequence[ParsedPrompt], image_map: Callable[..., Iterable[Any]] = map) -> None:
+    """Decode the not yet loaded image files of these inputs; the first failure in input
+    order is raised (a ValueError naming the input)."""
+    pending = [it for p in parsed for it in p.images
+               if isinstance(it.source, Image.Image) and getattr(it.source, "tile", None)]
+    for _ in image_map(ImageItem.to_pil, pending):
+        pass
+
+
+def parse_prompt(index: int, item: Any, decode: bool = True) -> ParsedPrompt:
+    """One input; `decode=False` leaves lazily opened files undecoded (see `parse_inputs`)."""
+    parsed = _parse_prompt(index, item)
+    if decode:
+        decode_images([parsed])
+    return parsed
+
+
+def _parse_prompt(index: int, item: Any) -> ParsedPrompt:
     where = f"inputs[{index}]"
     if isinstance(item, str):
         _check_text(where, item)
@@ -309,11 +338,9 @@ def check_image_size(where: str, width: int, height: int, what: str = "an image"
 def _pil_item(where: str, img: Image.Image) -> ImageItem:
     width, height = img.size
     check_image_size(where, width, height)
-    item = ImageItem(source=img, width=width, height=height, where=where)
-    # NOTE: decode now (a no-op for an image already in memory): a lazily opened, truncated
-    # file must fail here, before any request of the call is added, not in a later step.
-    item.to_pil()
-    return item
+    # NOTE: a lazily opened file is decoded by `parse_prompt`/`parse_inputs` (a truncated
+    # file must fail before any request of the call is added, not in a later step).
+    return ImageItem(source=img, width=width, height=height, where=where)
 
 
 def _tensor_items(where: str, data: torch.Tensor, allow_batch: bool) -> list[ImageItem]:

@@ -70,7 +70,8 @@ class LLM:
                                       prompt_name=legacy_name)
         if inputs is None:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
-        parsed = parse_inputs(inputs)
+        prefetcher = self.llm_engine.prefetcher
+        parsed = parse_inputs(inputs, prefetcher.map if prefetcher is not None else map)
         params_list = self._params_list(sampling_params, len(parsed))
         return self._run(parsed, params_list, use_tqdm)
 

@@ -202,3 +202,32 @@ def test_workers_run_torch_on_one_openmp_thread(tiny_ckpt):
         assert seen == [2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_idle_step_starts_every_image_it_will_admit(tiny_ckpt):
+    """With nothing running, the images of the requests the step will likely admit are all
+    started at once, past the lookahead (prepared side by side, not one by one); the step
+    waits for the first request only and admits the others as they become ready."""
+    llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=1)
+    engine = llm.llm_engine
+    submitted = []
+    original = engine.prefetcher._submit
+
+    def recording(request_id, item):
+        submitted.append(request_id)
+        return original(request_id, item)
+
+    engine.prefetcher._submit = recording
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    batch = [{"prompt": PROMPT, "multi_modal_data": {"image": make_image(i, 40 + i, 30)}} for i in range(4)]
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    assert submitted == ["r0"]  # the lookahead alone: one image ahead
+    engine.step()
+    assert sorted(set(submitted)) == ["r0", "r1", "r2", "r3"]  # all four started by the idle step
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = list(out.outputs[0].token_ids)
+    ref = get_llm(tiny_ckpt, async_preprocess=False).generate(batch, params, use_tqdm=False)
+    assert [outs[f"r{i}"] for i in range(4)] == [list(o.outputs[0].token_ids) for o in ref]

@@ -107,7 +107,7 @@ def _check_block_invariants(engine):
             refs.update(seq.block_table)
     for block_id in range(bm.num_blocks):
         assert bm.ref_counts[block_id] == refs[block_id]
-        assert (block_id in bm.free_blocks) == (refs[block_id] == 0)
+        assert (block_id in bm.free_block_ids) == (refs[block_id] == 0)
     for block_hash, block_id in bm.cached.items():
         assert bm.block_hash[block_id] == block_hash
 

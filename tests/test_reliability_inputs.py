@@ -322,6 +322,42 @@ def test_truncated_file_opened_lazily_is_rejected_up_front(llm, image_files, mon
     assert "multi_modal_data" in msg
 
 
+def test_lazy_files_decode_side_by_side_and_the_first_bad_input_is_reported(llm, image_files):
+    """A call's lazily opened files are decoded on the prefetch workers before anything is
+    added; the error is the first bad input in input order, whatever kind the later one is."""
+    d, _ = image_files
+    prefetcher = llm.llm_engine.prefetcher
+    assert prefetcher is not None
+    good = [image_prompt(Image.open(d / "good.png")) for _ in range(4)]
+    bad_file = image_prompt(Image.open(d / "truncated.png"))
+    with pytest.raises(ValueError, match=r"inputs\[2\].*truncated.png"):
+        llm.generate(good[:2] + [bad_file, {"prompt": 3}] + good[2:], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"inputs\[1\]\.prompt"):
+        llm.generate(good[:1] + [{"prompt": 3}, image_prompt(Image.open(d / "truncated.png"))], GREEDY,
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    import threading
+
+    from mmkit.inputs import ImageItem
+
+    lazy = [image_prompt(Image.open(d / "good.png")) for _ in range(3)]
+    threads, original = [], ImageItem.to_pil
+
+    def recording(item):
+        threads.append(threading.current_thread().name)
+        return original(item)
+
+    ImageItem.to_pil = recording
+    try:
+        outs = llm.generate(lazy, GREEDY, use_tqdm=False)
+    finally:
+        ImageItem.to_pil = original
+    assert all(item["multi_modal_data"]["image"].tile in ([], None) for item in lazy)  # decoded in place
+    assert threads[:3] and all(t.startswith("mmkit-preprocess") for t in threads[:3]), threads
+    ref = llm.generate(image_prompt(load_image(d / "good.png", where="x")), GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].token_ids == ref[0].outputs[0].token_ids for o in outs)
+
+
 def test_loaded_file_gives_same_output_as_the_image(llm, image_files):
     d, good = image_files
     from_file = llm.generate(image_prompt(load_image(d / "good.png", where="inputs[0]")), GREEDY, use_tqdm=False)

@@ -9,6 +9,12 @@ Prefix caching: a full block gets a hash chaining its parent's hash, its token i
 where it covers image placeholders, each image's content hash and offset (placeholder ids
 are the same for every image). A freed block keeps its hash and stays reusable until it is
 taken again; the free list is ordered least recently used first, so eviction is LRU.
+
+A freed block without a hash (a sequence's last, partial block; every block when prefix
+caching is off) holds nothing worth keeping: it goes to a second free list that is used
+first, most recently freed first. Its pages are already resident and warm, so resident
+memory follows the blocks in use instead of walking through the pool's never-written blocks
+(on CPU the pool is committed page by page on first write; see kv_cache.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class BlockManager:
         # NOTE: every block with ref count 0 is in `free_blocks` (oldest first); some of
         # them still carry a hash and can be revived by a prefix-cache hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks that were written and carry no hash: taken first, last freed first.
+        self.free_unhashed: OrderedDict[int, None] = OrderedDict()
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # SHA-256 block key -> block id
@@ -40,11 +48,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks not held by a live sequence (evictable cached blocks count as free)."""
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.free_unhashed)
 
     @property
     def free_block_ids(self) -> list[int]:
-        return list(self.free_blocks)
+        return list(self.free_unhashed) + list(self.free_blocks)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take from the free list so `seq` can write `num_new_tokens` more tokens."""
@@ -157,6 +165,10 @@ class BlockManager:
         return idx < len(seq.block_table) and self.ref_counts[seq.block_table[idx]] > 1
 
     def _take(self) -> int:
+        if self.free_unhashed:
+            block_id, _ = self.free_unhashed.popitem(last=True)  # most recently freed
+            self.ref_counts[block_id] = 1
+            return block_id
         if not self.free_blocks:
             raise RuntimeError("BlockManager: out of KV blocks (the scheduler should have preempted)")
         block_id, _ = self.free_blocks.popitem(last=False)  # least recently used
@@ -175,4 +187,7 @@ class BlockManager:
             raise RuntimeError(f"BlockManager: block {block_id} freed twice")
         self.ref_counts[block_id] = count - 1
         if count == 1:
-            self.free_blocks[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free_unhashed[block_id] = None
+            else:
+                self.free_blocks[block_id] = None

@@ -59,7 +59,7 @@ class LLMEngine:
         row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
         if self.prefetcher is not None:
-            self.scheduler.mm_ready = self.prefetcher.is_ready
+            self.scheduler.preprocess = self.prefetcher
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.max_model_len)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)

@@ -3,18 +3,29 @@
 Without it the HF image processor (PIL conversion, resize, rescale, normalise) runs on the
 engine thread when the scheduler hands an image to the runner, so the forward pass waits
 for it. `MultiModalPrefetcher` submits the images of queued requests, in arrival order, to a
-small thread pool as soon as they are added, together with their content hash (so a lazily
-opened file is decoded there too); PIL's decode and resize, hashlib and numpy's arithmetic
-release the GIL, so they overlap the model's matmuls. The runner then takes a finished result
-instead of computing it. Same function, same inputs: the pixel values are identical.
+small thread pool as soon as they are added, together with their content hash; PIL's decode
+and resize, hashlib and numpy's arithmetic release the GIL, so they overlap the model's
+matmuls. The runner then takes a finished result instead of computing it. Same function,
+same inputs: the pixel values are identical.
 
-Bounded: at most `lookahead` images are in flight or done-but-not-taken, so memory stays
-`lookahead x [3, H, W]` floats however many requests wait. A slot frees when the runner takes
-an image, or when its request gets its first token or ends (an image never taken because the
-encoder cache already held it). A failure inside a worker is re-raised where the runner takes
-that image, so it ends only that image's request (the engine's per-request failure policy).
+How the engine uses it (the scheduler sees it as a `PreprocessTracker`):
+- `LLM.generate` decodes a call's lazily opened files (`Image.open`) on the workers with
+  `map`, before any request is added (a truncated file still fails up front);
+- while requests run, a waiting request is admitted only once `is_ready`: the forward pass
+  never waits for PIL;
+- an idle step (nothing running) `start_now`s every image of the requests it will likely
+  admit, past the lookahead, waits for the first request (`wait`: the workers' content
+  hashes are then read, not recomputed) and admits the others as they become ready.
 
-All bookkeeping happens on the engine thread; the workers only run `mm_item_inputs`.
+Bounded: at most `lookahead` images are in flight or done-but-not-taken (beyond what an idle
+step needs at once), so memory stays `lookahead x [3, H, W]` floats however many requests
+wait. A slot frees when the runner takes an image, or when its request gets its first token
+or ends (an image never taken because the encoder cache already held it). A failure inside
+a worker is re-raised where the runner takes that image, so it ends only that image's
+request (the engine's per-request failure policy). Workers run torch on one OpenMP thread
+(see `_one_openmp_thread`).
+
+All bookkeeping happens under one lock; the workers only hash and run `mm_item_inputs`.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from mmkit.inputs import ImageItem
@@ -89,14 +100,53 @@ class MultiModalPrefetcher:
                 return False  # some still queued behind the lookahead
             return all(v is _TAKEN or v.done() for v in entries.values())
 
+    def start_now(self, request_ids: Sequence[str]) -> None:
+        """Submit these requests' queued items at once, past the lookahead: the scheduler is
+        about to admit them together and the step needs them all, so the workers (and the
+        engine thread, see `mm_item_inputs`) prepare them side by side, not one by one."""
+        wanted = set(request_ids)
+        with self._lock:
+            if not any(request_id in wanted for request_id, _ in self._queue):
+                return
+            later: deque[tuple[str, ImageItem]] = deque()
+            for request_id, item in self._queue:
+                if request_id in wanted:
+                    self._submit(request_id, item)
+                else:
+                    later.append((request_id, item))
+            self._queue = later
+
+    def map(self, fn, items: Sequence[Any]):
+        """`map(fn, items)` on the worker threads (results in order, the first error raised
+        where it is reached): the API decodes a call's lazily opened files with it."""
+        if len(items) < 2:
+            return map(fn, items)
+        with self._lock:
+            pool = self._ensure_pool()
+        return pool.map(fn, items)
+
+    def wait(self, request_id: str) -> None:
+        """Block until the workers finished the request's submitted items (their errors are
+        left for `mm_item_inputs` to raise): the scheduler then reads the content hashes
+        they computed instead of computing them again on the engine thread."""
+        with self._lock:
+            entries = self._live.get(request_id)
+            futures = [v for v in entries.values() if isinstance(v, Future)] if entries else []
+        for future in futures:
+            try:
+                future.exception()
+            except CancelledError:
+                pass
+
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
 
     # ------------------------------------------------------------------ runner side
     def mm_item_inputs(self, request_id: str, item: ImageItem):
-        """The item's model inputs: the worker's result if it was submitted (its error
-        re-raised here), else computed now on this thread."""
+        """The item's model inputs: the worker's result if it was submitted and started (its
+        error re-raised here), else computed now on this thread (a submitted item no worker
+        has started is taken back: the engine thread helps instead of waiting)."""
         with self._lock:
             entries = self._live.get(request_id)
             value = entries.get(id(item)) if entries is not None else None
@@ -106,6 +156,8 @@ class MultiModalPrefetcher:
             if future is not None:
                 self._in_flight -= 1
                 self._fill()
+                if future.cancel():  # not started: compute it here rather than wait
+                    future = None
         if future is None:
             self.num_inline += 1
             return self.input_processor.mm_item_inputs(item)
@@ -131,15 +183,23 @@ class MultiModalPrefetcher:
         """Submit queued items while fewer than `lookahead` are outstanding (lock held)."""
         while self._queue and self._in_flight < self.lookahead:
             request_id, item = self._queue.popleft()
-            entries = self._live.get(request_id)
-            if entries is None or id(item) in entries:  # request gone, or item already taken
-                continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="mmkit-preprocess",
-                                                initializer=_one_openmp_thread)
-            # NOTE: looked up at call time, so a processor patched after start-up is used.
-            entries[id(item)] = self._pool.submit(self._process, item)
-            self._in_flight += 1
+            self._submit(request_id, item)
+
+    def _submit(self, request_id: str, item: ImageItem) -> None:
+        """Hand one item to the pool (lock held), unless its request is gone or it was taken."""
+        entries = self._live.get(request_id)
+        if entries is None or id(item) in entries:
+            return
+        # NOTE: looked up at call time, so a processor patched after start-up is used.
+        entries[id(item)] = self._ensure_pool().submit(self._process, item)
+        self._in_flight += 1
+
+    def _ensure_pool(self) -> ThreadPoolExecutor:
+        """The worker threads, started at first use (lock held)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="mmkit-preprocess",
+                                            initializer=_one_openmp_thread)
+        return self._pool
 
     def _process(self, item: ImageItem):
         # The scheduler needs the item's content hash (cache keys) before the runner needs its

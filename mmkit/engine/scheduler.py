@@ -19,8 +19,8 @@ forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPl
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
@@ -64,6 +64,19 @@ class StepUpdate:
     samples: list[tuple[Sequence, int]]  # (sequence, sampler row) per new token, in row order
 
 
+class PreprocessTracker(Protocol):
+    """What the scheduler asks the engine's image prefetcher (mm_prefetcher.py)."""
+
+    def is_ready(self, request_id: str) -> bool:
+        """Every image of the request is prepared (or never was the tracker's)."""
+
+    def start_now(self, request_ids: list[str]) -> None:
+        """Start preparing these requests' images at once, past any lookahead."""
+
+    def wait(self, request_id: str) -> None:
+        """Block until the request's started images are prepared (content hashes included)."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0) -> None:
@@ -81,9 +94,9 @@ class Scheduler:
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
         self._plan: StepPlan | None = None
-        # request id -> whether its images' preprocessing is done (the engine's prefetcher);
-        # None: images are processed when the runner reaches them.
-        self.mm_ready: Callable[[str], bool] | None = None
+        # The engine's image prefetcher (see `PreprocessTracker`); None: images are processed
+        # when the runner reaches them.
+        self.preprocess: PreprocessTracker | None = None
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, group: SequenceGroup) -> None:
@@ -233,15 +246,21 @@ class Scheduler:
         return bm.find_cached_prefix(seq)
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
-        full_budget = self.config.max_num_batched_tokens
+        # NOTE: while running requests fill the step, a waiting request whose images are
+        # still being prepared waits (the forward pass never waits for PIL). With nothing
+        # running the step waits anyway: the requests it will likely admit get all their
+        # images started at once, so they are prepared side by side (the engine thread
+        # waits for the workers' content hashes). Arrival order is kept.
+        idle = token_budget == self.config.max_num_batched_tokens
+        if idle and self.preprocess is not None:
+            self.preprocess.start_now(self._likely_admitted(token_budget))
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # NOTE: a request whose images a prefetch worker is still preparing waits while
-            # the step has other work, so the forward pass never waits for PIL; alone it is
-            # admitted (the runner then waits for its worker). Arrival order is kept.
-            if (self.mm_ready is not None and token_budget < full_budget
-                    and not self.mm_ready(seq.group.request_id)):
-                break
+            if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
+                if not idle or plan.admitted:
+                    break
+                # The workers are on it: the engine thread would only compete for the cores.
+                self.preprocess.wait(seq.group.request_id)
             hits = self._cached_prefix(seq)
             start = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - start, token_budget)
@@ -259,6 +278,16 @@ class Scheduler:
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
         return token_budget
+
+    def _likely_admitted(self, token_budget: int) -> list[str]:
+        """The waiting requests an idle step would admit, by prompt length (cache hits aside)."""
+        ids, room = [], self.config.max_num_seqs - len(self.running)
+        for seq in self.waiting:
+            if token_budget <= 0 or len(ids) >= room:
+                break
+            ids.append(seq.group.request_id)
+            token_budget -= seq.num_tokens - seq.num_computed_tokens
+        return ids
 
     # ------------------------------------------------------------------ after the step
     def update_from_output(self, sched: SchedulerOutput, sampled_seq_ids: list[int], row_counts: list[int],
