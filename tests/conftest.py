@@ -51,6 +51,19 @@ def make_image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
     return Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
 
 
+def resave_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """A copy of the checkpoint folder `src` at `dst` with its state dict passed through `edit`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
     """[3, H, W] uint8."""
     return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()

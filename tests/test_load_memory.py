@@ -4,7 +4,6 @@ mmkit/worker/model_loader.py, models/weight_utils.py)."""
 
 import contextlib
 import math
-import shutil
 import threading
 import weakref
 
@@ -21,7 +20,7 @@ from mmkit.models.meta_init import meta_parameters
 from mmkit.models.weight_utils import _cast_as_built
 from mmkit.testing import build_tiny_llava
 
-from conftest import make_image
+from conftest import make_image, resave_checkpoint
 
 
 class Float32Bytes(TorchDispatchMode):
@@ -134,23 +133,13 @@ def test_bf16_outputs_unchanged_by_the_meta_build(gqa_tied_ckpt, monkeypatch):
     assert new == old
 
 
-def _resave(src, dst, edit):
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    edit(state)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_missing_weights_are_named_not_left_on_meta(tiny_ckpt, tmp_path):
-    tower = _resave(tiny_ckpt, tmp_path / "tower",
+    tower = resave_checkpoint(tiny_ckpt, tmp_path / "tower",
                     lambda s: s.pop("vision_tower.encoder.layers.0.mlp.fc1.bias"))
     with pytest.raises(ValueError, match=r"lacks 1 weights.*vision_tower\.encoder\.layers\.0\.mlp\.fc1\.bias"):
         LLM(str(tower), dtype="bfloat16")
     # An untied LM head is a weight like any other (it used to keep its random init).
-    head = _resave(tiny_ckpt, tmp_path / "head", lambda s: s.pop("language_model.lm_head.weight"))
+    head = resave_checkpoint(tiny_ckpt, tmp_path / "head", lambda s: s.pop("language_model.lm_head.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 weights.*'lm_head\.weight'"):
         LLM(str(head), dtype="bfloat16")
 

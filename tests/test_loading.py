@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import get_llm, hf_greedy
+from conftest import get_llm, hf_greedy, resave_checkpoint
 from mmkit import LLM, SamplingParams
 from mmkit.models.checkpoint_keys import transformers_key_mapper
 from mmkit.testing import hub_key
@@ -59,22 +59,12 @@ def test_every_mapped_name_is_a_parameter_of_the_model(key_mapper, tiny_ckpt):
         assert name in names or any(p in name for p in fused), (key, name)
 
 
-def _resave(src, dst, edit):
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    edit(state)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_unexpected_and_missing_weights_name_the_checkpoint_keys(tiny_ckpt, tmp_path):
-    extra = _resave(tiny_ckpt, tmp_path / "extra",
+    extra = resave_checkpoint(tiny_ckpt, tmp_path / "extra",
                     lambda s: s.update({"vision_tower.vision_model.head.probe": torch.zeros(2)}))
     with pytest.raises(ValueError, match=r"1 unexpected weights.*vision_tower\.vision_model\.head\.probe"):
         LLM(str(extra), dtype="float32")
-    missing = _resave(tiny_ckpt, tmp_path / "missing",
+    missing = resave_checkpoint(tiny_ckpt, tmp_path / "missing",
                       lambda s: s.pop("language_model.model.layers.1.mlp.down_proj.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 weights.*language_model\.layers\.1\.mlp\.down_proj"):
         LLM(str(missing), dtype="float32")
