@@ -64,6 +64,19 @@ def resave_checkpoint(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+def break_pixels_of_width(monkeypatch, processor, width: int) -> None:
+    """Make `processor.pixel_values` raise OSError for any image `width` pixels wide (an image
+    that decodes but fails in the image processor, when its request is scheduled)."""
+    original = processor.pixel_values
+
+    def fragile(images):
+        if any(item.width == width for item in images):
+            raise OSError("broken image data")
+        return original(images)
+
+    monkeypatch.setattr(processor, "pixel_values", fragile)
+
+
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
     """[3, H, W] uint8."""
     return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from conftest import get_llm, make_image
+from conftest import get_llm, make_image, break_pixels_of_width
 from mmkit import SamplingParams
 from mmkit.batch_rows import OUTPUT_COLUMNS, row_params, run_rows
 from mmkit.image_io import load_image_bytes
@@ -123,15 +123,7 @@ def test_row_whose_image_fails_at_scheduling_carries_the_error(tiny_ckpt, monkey
     from mmkit import LLM
 
     llm = LLM(str(tiny_ckpt), dtype="float32")
-    processor = llm.llm_engine.input_processor
-    original = processor.pixel_values
-
-    def fragile(images):
-        if any(item.width == 13 for item in images):
-            raise OSError("broken image data")
-        return original(images)
-
-    monkeypatch.setattr(processor, "pixel_values", fragile)
+    break_pixels_of_width(monkeypatch, llm.llm_engine.input_processor, 13)
     bad = io.BytesIO()
     make_image(5, width=13).save(bad, format="PNG")
     rows = [{"prompt": PROMPT, "image": png_bytes(1)}, {"prompt": PROMPT, "image": bad.getvalue()},

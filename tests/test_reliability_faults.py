@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import get_llm, make_image
+from conftest import get_llm, make_image, break_pixels_of_width
 from mmkit import LLM, AsyncLLMEngine, EngineArgs, EngineDeadError, RequestFailedError, SamplingParams
 from mmkit.engine import detokenizer
 
@@ -220,15 +220,7 @@ def test_image_processing_error_in_generate(tiny_ckpt, monkeypatch):
     """A failure while preparing one request's pixels ends that request alone: generate
     raises one RequestFailedError carrying the other prompts' normal outputs."""
     llm = LLM(str(tiny_ckpt), dtype="float32")
-    processor = llm.llm_engine.input_processor
-    original = processor.pixel_values
-
-    def fragile(images):
-        if any(item.width == 13 for item in images):
-            raise OSError("broken image data")
-        return original(images)
-
-    monkeypatch.setattr(processor, "pixel_values", fragile)
+    break_pixels_of_width(monkeypatch, llm.llm_engine.input_processor, 13)
     bad = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(2, width=13)}}
     with pytest.raises(RequestFailedError, match=r"1 of 5 prompts failed: inputs\[4\].*broken image data") as info:
         llm.generate(batch(4) + [bad], long_params(8), use_tqdm=False)
