@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "tests"))
 
 import common  # noqa: E402
-from tiny_qwen2_vl import SPECIAL_TOKENS, build_tiny_qwen2_vl  # noqa: E402
+from mmkit.testing.qwen2_vl import SPECIAL_TOKENS, build_tiny_qwen2_vl  # noqa: E402
 
 VOCAB_SIZE = 151936
 IMAGE_SIZE = 224

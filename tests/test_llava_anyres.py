@@ -8,7 +8,7 @@ import torch
 
 from conftest import DEVICES, assert_generate_matches_hf, bf16_agreement, make_image
 from mmkit import LLM
-from tiny_anyres import build_tiny_anyres
+from mmkit.testing.llava_next import build_tiny_anyres
 from mmkit.testing import rewrite_hub_layout
 
 VARIANTS = {

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import hf_greedy, make_image, pil_to_tensor
 from mmkit import LLM, MultiModalData, SamplingParams
-from tiny_anyres import build_tiny_anyres
+from mmkit.testing.llava_next import build_tiny_anyres
 
 P1 = "USER: <image>\nWhat is in the image? ASSISTANT:"
 P2 = "USER: <image>\nand <image>\nCompare the two. ASSISTANT:"

@@ -7,7 +7,7 @@ import torch
 
 from conftest import DEVICES, make_image, pil_to_tensor
 from qwen_ref import P_2IMG, P_IMG, P_IMG_VID, P_VID, hf_inputs, hf_qwen, hf_qwen_greedy
-from tiny_qwen2_vl import build_tiny_qwen2_vl, rewrite_qwen_hub_layout
+from mmkit.testing.qwen2_vl import build_tiny_qwen2_vl, rewrite_qwen_hub_layout
 from mmkit import LLM, SamplingParams
 
 N = 32  # new tokens per request

@@ -15,7 +15,7 @@ import torch
 
 from qwen_ref import P_2IMG, hf_inputs, hf_qwen, hf_qwen_greedy
 from test_qwen2_vl import IMG2, IMG3, _cases, greedy
-from tiny_qwen2_vl import build_tiny_qwen2_vl
+from mmkit.testing.qwen2_vl import build_tiny_qwen2_vl
 from mmkit import LLM
 from mmkit.inputs import parse_prompt
 

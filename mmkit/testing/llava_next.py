@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmkit.testing import CHAT_TEMPLATE, build_tokenizer, tiny_text_config, tiny_vision
+from mmkit.testing.llava import CHAT_TEMPLATE, build_tokenizer, tiny_text_config, tiny_vision
 
 # (height, width) resolutions the image processor may tile to: 1x2, 2x1, 2x2, 1x3, 3x3 views.
 PINPOINTS = [[32, 64], [64, 32], [64, 64], [32, 96], [96, 96]]

@@ -1,0 +1,60 @@
+"""Tiny random checkpoints of every supported family, built offline with transformers' own
+config, model and processor classes (tokenizer trained here, processor saved beside the weights).
+
+A stable user API: a toy checkpoint for trying mmkit, writing a test or a benchmark, with
+nothing downloaded:
+
+    from mmkit.testing import build_tiny_checkpoint
+    path = build_tiny_checkpoint("Qwen2VLForConditionalGeneration", "/tmp/tiny-qwen")
+
+One module per family (`mmkit/testing/<family>.py`); `build_tiny_checkpoint` dispatches on the
+architecture name, and each family module's builder takes its own keyword options.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from mmkit.testing.llava import (CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_llava, build_tokenizer,
+                                 hub_key, rewrite_hub_layout, tiny_text_config, tiny_vision)
+
+__all__ = ["build_tiny_checkpoint", "tiny_architectures", "build_tiny_llava", "build_tiny_anyres",
+           "build_tiny_qwen2_vl", "rewrite_hub_layout", "rewrite_qwen_hub_layout", "hub_key",
+           "build_tokenizer", "tiny_text_config", "tiny_vision", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
+
+# architecture -> (module under mmkit.testing, builder, fixed keyword arguments)
+_BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "LlavaForConditionalGeneration": ("llava", "build_tiny_llava", {}),
+    "LlavaNextForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_next"}),
+    "LlavaOnevisionForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_onevision"}),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2"}),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2.5"}),
+}
+
+
+def tiny_architectures() -> list[str]:
+    """The architectures `build_tiny_checkpoint` can build."""
+    return sorted(_BUILDERS)
+
+
+def build_tiny_checkpoint(architecture: str, out_dir: str | Path, **kwargs: Any) -> Path:
+    """Save a tiny random checkpoint of `architecture` (HF `architectures[0]`) into `out_dir`
+    and return its path; `kwargs` go to the family's builder (seed, layer counts, ...)."""
+    if architecture not in _BUILDERS:
+        raise ValueError(f"architecture {architecture!r} has no tiny builder; available: "
+                         f"{tiny_architectures()}")
+    module, builder, fixed = _BUILDERS[architecture]
+    fn = getattr(importlib.import_module(f"mmkit.testing.{module}"), builder)
+    return fn(out_dir, **fixed, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # The other families' builders load lazily (importing this package stays cheap).
+    lazy = {"build_tiny_anyres": "llava_next", "PINPOINTS": "llava_next",
+            "build_tiny_qwen2_vl": "qwen2_vl", "rewrite_qwen_hub_layout": "qwen2_vl",
+            "build_qwen_tokenizer": "qwen2_vl"}
+    if name in lazy:
+        return getattr(importlib.import_module(f"mmkit.testing.{lazy[name]}"), name)
+    raise AttributeError(f"module 'mmkit.testing' has no attribute {name!r}")
