@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,15 @@ def _params() -> list:
     return params
 
 
-def _git_status() -> str | None:
+def _untracked() -> set[str] | None:
+    """Files in the clone that git neither tracks nor ignores (None outside a git checkout)."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         return None
     out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
                          capture_output=True, text=True)
-    return out.stdout if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith("?? ")}
 
 
 def test_the_readme_has_python_blocks_and_the_needs_rule_is_first_line_only():
@@ -55,15 +59,23 @@ def test_the_readme_has_python_blocks_and_the_needs_rule_is_first_line_only():
         assert NEEDS not in code.split("\n", 1)[-1] or code.startswith(NEEDS), f"README.md:{line}"
 
 
+@pytest.fixture
+def short_tmp():
+    # A short path: the blocks' temp files go here (Ray's socket paths must stay under 108 bytes).
+    path = tempfile.mkdtemp(prefix="readme-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("code", _params())
-def test_readme_block_runs(code, tmp_path):
+def test_readme_block_runs(code, short_tmp):
     first = code.lstrip("\n").split("\n", 1)[0]
     if first.startswith(NEEDS):
         pytest.skip(first)
     threads = os.environ.get("MMKIT_TEST_THREADS", "2")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": threads,
-           "MKL_NUM_THREADS": threads, "MPLBACKEND": "Agg", "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    before = _git_status()
+           "MKL_NUM_THREADS": threads, "MPLBACKEND": "Agg", "TMPDIR": short_tmp, "PYTHONUNBUFFERED": "1"}
+    before = _untracked()
     try:
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=600)
@@ -71,4 +83,17 @@ def test_readme_block_runs(code, tmp_path):
         pytest.fail(f"the block ran past 600 s:\n{exc.stdout}\n{exc.stderr}")
     assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-6000:]}"
     if before is not None:
-        assert _git_status() == before, "the block left files in the clone that .gitignore does not cover"
+        new = _untracked() - before
+        assert not new, f"the block left files in the clone that .gitignore does not cover: {sorted(new)}"
+
+
+def test_gitignore_covers_what_the_readme_commands_write():
+    """`--output X` of the README's commands (and X's summary beside it) are git-ignored."""
+    text = README.read_text(encoding="utf-8")
+    outputs = set(re.findall(r"^\s+mmkit eval .*?--output (\S+)", text, re.M))
+    assert outputs, "the README shows mmkit eval --output"
+    written = sorted(outputs | {str(Path(o).with_name(Path(o).stem + ".summary.json")) for o in outputs})
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == written, out.stdout
