@@ -1,10 +1,12 @@
 """AsyncLLMEngine: a background loop over `LLMEngine` that streams `RequestOutput`s.
 
-The loop lives in the caller's event loop (started lazily on the first `generate`); each
-engine step runs on one daemon worker thread, so the event loop stays responsive while the
-model computes and nothing keeps the interpreter from exiting. Requests are added and
-aborted only between steps, from the event loop, so the engine is never touched by two
-threads at once.
+The loop lives in the caller's event loop (started lazily on the first `generate`); the
+engine has one owner thread, a daemon worker: request processing (tokenizing, placeholder
+expansion, grammar compilation, which may register a sampler hook with the runner), adding,
+aborting and every step run there, one job at a time, so the event loop stays responsive
+while the model computes, the engine is never touched by two threads, and nothing keeps the
+interpreter from exiting. The event loop owns only the streams and the pending lists it hands
+to the worker with each job.
 """
 
 from __future__ import annotations
@@ -102,16 +104,30 @@ class AsyncLLMEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
-        # Validation runs here, so a bad input raises to this caller only.
         parsed = parse_prompt(0, inputs)
-        processed, params = self.engine.process_request(request_id, parsed, sampling_params)
         self._ensure_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._pending_adds.append((request_id, processed, params))
-        self._wakeup.set()
+        self._streams[request_id] = stream  # the id is taken while the request is processed
         finished = False
         try:
+            # Validation runs on the engine's thread (between steps), so a bad input raises to
+            # this caller only and the event loop never runs the processor.
+            try:
+                processed, params = await self._worker.run(
+                    lambda: self.engine.process_request(request_id, parsed, sampling_params))
+            except BaseException:
+                finished = True
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+                raise
+            if self._streams.get(request_id) is not stream:  # aborted or shut down meanwhile
+                finished = True
+                item = stream.get_nowait() if not stream.empty() else _END
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            self._pending_adds.append((request_id, processed, params))
+            self._wakeup.set()
             while True:
                 item = await stream.get()
                 if item is _END:
@@ -146,7 +162,9 @@ class AsyncLLMEngine:
         self._streams.clear()
 
     async def get_metrics(self) -> dict[str, int]:
-        return self.engine.get_metrics()
+        if self._worker is None or not self.is_running:
+            return self.engine.get_metrics()
+        return await self._worker.run(self.engine.get_metrics)  # read between steps, on its thread
 
     # ------------------------------------------------------------------ internals
     def _check_alive(self) -> None:
@@ -175,24 +193,30 @@ class AsyncLLMEngine:
             self._worker = _StepWorker()
         self._loop_task = loop.create_task(self._run_loop(), name="mmkit-engine-loop")
 
-    def _apply_pending(self) -> None:
+    def _take_pending(self) -> tuple[list, set[str]]:
+        """On the event loop: the adds still wanted and the aborts, handed to the next job."""
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, processed, params in adds:
-            if request_id in self._pending_aborts or request_id not in self._streams:
-                continue
-            self.engine.add_processed(request_id, processed, params)
         aborts, self._pending_aborts = self._pending_aborts, set()
+        adds = [a for a in adds if a[0] not in aborts and a[0] in self._streams]
+        return adds, aborts
+
+    def _engine_job(self, adds: list, aborts: set[str]):
+        """On the worker thread: apply the pending requests, then one step if any is left."""
+        for request_id, processed, params in adds:
+            self.engine.add_processed(request_id, processed, params)
         self.engine.abort_request(aborts)
+        return self.engine.step_result() if self.engine.has_unfinished_requests() else None
 
     async def _run_loop(self) -> None:
         try:
             while not self._shutdown:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                self._wakeup.clear()
+                adds, aborts = self._take_pending()
+                step = await self._worker.run(lambda: self._engine_job(adds, aborts))
+                if step is None:  # nothing to run: sleep until a request arrives or is aborted
+                    if not (self._pending_adds or self._pending_aborts):
+                        await self._wakeup.wait()
                     continue
-                step = await self._worker.run(self.engine.step_result)
                 self._fail_requests(step.errors)
                 self._deliver(step.outputs)
         except asyncio.CancelledError:
