@@ -193,7 +193,7 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
         except Exception as exc:  # noqa: BLE001 - any failure of this row's input is this row's error
             results[i] = error_output(_message(exc))
             return
-        engine.add_processed(rid, processed, params)
+        engine.add_processed(rid, processed, params, final_only=True)  # only finished rows are read
         pending[rid] = i
 
     def fail(request_ids: list[str], exc: BaseException) -> None:
