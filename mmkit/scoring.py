@@ -33,8 +33,10 @@ def user_turn(images: list[Any], videos: list[Any], text: str) -> list[dict[str,
     return [{"role": "user", "content": content}]
 
 
-def score_continuations(llm, requests: list[ScoreRequest], *, use_tqdm: bool = False) -> list[tuple[float, bool]]:
-    """`(-sum log p, is_greedy)` of each request's continuation, in input order."""
+def score_continuations(llm, requests: list[ScoreRequest], *, chat_template: str | None = None,
+                        use_tqdm: bool = False) -> list[tuple[float, bool]]:
+    """`(-sum log p, is_greedy)` of each request's continuation, in input order
+    (`chat_template`: instead of the checkpoint's)."""
     engine = llm.llm_engine
     processor = engine.input_processor.hf_processor or llm.get_tokenizer()
     tokenizer = llm.get_tokenizer()
@@ -43,7 +45,7 @@ def score_continuations(llm, requests: list[ScoreRequest], *, use_tqdm: bool = F
     for i, req in enumerate(requests):
         if not req.continuation:
             raise ValueError(f"requests[{i}].continuation: got an empty string; expected the text to score")
-        ctx = conversations_to_inputs(processor, user_turn(req.images, req.videos, req.context),
+        ctx = conversations_to_inputs(processor, user_turn(req.images, req.videos, req.context), chat_template,
                                       allow_video=allow_video)[0]
         full = ctx["prompt"] + req.continuation
         # Placeholders are one token before expansion and sit before the continuation, so the

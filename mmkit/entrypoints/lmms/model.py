@@ -8,6 +8,7 @@ checkpoint's chat template. All requests of a call go to one continuously batche
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
@@ -33,7 +34,11 @@ class MMKit(lmms):
         if options["threads"]:
             torch.set_num_threads(int(options["threads"]))
         self.max_new_tokens = int(options["max_new_tokens"])
-        self.chat_template = options["chat_template"]
+        template = options["chat_template"]
+        if template and os.path.isfile(template):  # a .jinja file, as lmms-eval's vLLM model takes
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        self.chat_template = template
         self.llm = LLM(model or pretrained, **engine_args)
 
     # ------------------------------------------------------------------ helpers
@@ -116,5 +121,6 @@ class MMKit(lmms):
             continuation = target if isinstance(target, str) else target(self._doc(task, split, doc_id))
             images, videos = self._visuals(doc_to_visual, task, split, doc_id)
             scored.append(ScoreRequest(context, str(continuation), images, videos))
-        pairs = score_continuations(self.llm, scored, use_tqdm=self.rank == 0) if scored else []
+        pairs = score_continuations(self.llm, scored, chat_template=self.chat_template,
+                                    use_tqdm=self.rank == 0) if scored else []
         return [GenerationResult(text=(nll, greedy)) for nll, greedy in pairs]
