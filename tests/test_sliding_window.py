@@ -110,3 +110,18 @@ def test_all_sliding_model_holds_window_blocks_while_decoding(mistral_window32):
         if steps > 1:  # decoding (the prompt's own step holds all of its blocks)
             held_max = max(held_max, metrics["kv_blocks_total"] - metrics["kv_blocks_free"])
     assert steps >= 500 and 0 < held_max <= bound
+
+
+def test_prefill_mask_is_window_and_causal_or_span():
+    """transformers' Gemma 3 sliding mask: AND(window, OR(causal, same image span)), for a
+    chunk that starts mid-prompt (cached keys before it)."""
+    from mmkit.layers.attention import PrefillChunk
+
+    spans, window, bs = ((5, 12),), 4, 4
+    chunk = PrefillChunk(0, 10, 14, torch.arange(4), spans)  # queries 4..13
+    first = chunk.first_key(window, bs)
+    got = chunk.mask(window, first, torch.device("cpu"))[0, 0]
+    for qi, q in enumerate(range(4, 14)):
+        for ki, k in enumerate(range(first, 14)):
+            same = any(lo <= q < hi and lo <= k < hi for lo, hi in spans)
+            assert bool(got[qi, ki]) == ((k <= q or same) and k > q - window), (q, k)
