@@ -11,9 +11,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Mistral3ForConditionalGeneration": ("mmkit.models.mistral3", "Mistral3ForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("mmkit.models.idefics3", "Idefics3ForConditionalGeneration"),
+    "SmolVLMForConditionalGeneration": ("mmkit.models.idefics3", "SmolVLMForConditionalGeneration"),
 }
 # Families whose own module fixes the decoder and vision tower (no per-part check below).
-_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                   "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                   "SmolVLMForConditionalGeneration"}
 # Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
@@ -22,7 +27,9 @@ SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
 # An old config without `architectures` is resolved by its model_type.
 _BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                   "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "mistral3": "Mistral3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+                  "smolvlm": "SmolVLMForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:

@@ -17,6 +17,9 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaOnevisionInputProcessor"),
     "Qwen2VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+    "Mistral3ForConditionalGeneration": ("mmkit.processors.mistral3", "Mistral3InputProcessor"),
+    "Idefics3ForConditionalGeneration": ("mmkit.processors.idefics3", "Idefics3InputProcessor"),
+    "SmolVLMForConditionalGeneration": ("mmkit.processors.idefics3", "Idefics3InputProcessor"),
 }
 
 
