@@ -37,7 +37,7 @@ class SpanItem:
         image split differently never shares cached embeddings or KV blocks."""
         if self._hash is None:
             h = hashlib.sha256()
-            h.update(f"{self.modality}:{json.dumps(self.options, sort_keys=True)}:{len(self.span_ids)}:".encode())
+            h.update(f"{self.modality}:{json.dumps(self.options, sort_keys=True)}:{self.span_ids}:".encode())
             for frame in self.frames:
                 h.update(frame.content_hash().encode())
             self._hash = h.hexdigest()
