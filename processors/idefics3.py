@@ -168,20 +168,26 @@ class Idefics3InputProcessor:
         return ids, ranges, items
 
     def _items_in_order(self, where: str, ids: list[int], given: dict, texts: dict, options: dict) -> list[SpanItem]:
-        """A token-id prompt's items in the order of their placeholder tokens (each span the
-        tokens of the processor's text for it)."""
-        by_id = {tid: m for m, tid in self.placeholder_ids.items()}
-        order = [by_id[t] for t in ids if t in by_id]
-        counts = {m: order.count(m) for m in self.placeholders}
-        if any(counts[m] != len(given[m]) for m in self.placeholders):
-            spans = [SpanItem(m, [], []) for m in self.placeholders for _ in given[m]]
-            raise ValueError(count_error(where, ids, self.placeholder_ids, spans))
-        items, next_index = [], {"image": 0, "video": 0}
-        for modality in order:
-            k = next_index[modality]
-            next_index[modality] += 1
-            span = list(self.tokenizer(texts[modality][k], add_special_tokens=False).input_ids)
-            items.append(self._item(where, modality, k, given, span, options))
+        """A token-id prompt's items in the order their placeholder tokens (or spans already
+        written out in full) appear; each span is the tokens of the processor's text for it."""
+        spans = {m: [list(self.tokenizer(t, add_special_tokens=False).input_ids) for t in texts[m]] for m in texts}
+        items, next_index, i = [], {"image": 0, "video": 0}, 0
+        while i < len(ids):
+            step = 1
+            for modality, tid in self.placeholder_ids.items():
+                k = next_index[modality]
+                if k >= len(given[modality]):
+                    continue
+                span = spans[modality][k]
+                if ids[i] == tid or ids[i:i + len(span)] == span:
+                    step = len(span) if ids[i:i + len(span)] == span else 1
+                    items.append(self._item(where, modality, k, given, span, options))
+                    next_index[modality] += 1
+                    break
+            i += step
+        if any(next_index[m] != len(given[m]) for m in self.placeholders):
+            wanted = [SpanItem(m, [], []) for m in self.placeholders for _ in given[m]]
+            raise ValueError(count_error(where, ids, self.placeholder_ids, wanted))
         return items
 
     def _item(self, where: str, modality: str, k: int, given: dict, span: list[int], options: dict) -> SpanItem:
