@@ -19,7 +19,7 @@ import torch
 from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.spans import SpanItem, count_error, expand_spans
+from mmkit.processors.spans import SpanItem, checked_token_ids, count_error, expand_spans
 from mmkit.video_inputs import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
@@ -102,11 +102,7 @@ class Idefics3InputProcessor:
         if parsed.prompt is not None:
             ids, ranges, items = self._expand_text(where, parsed.prompt, given, texts, options)
         else:
-            ids = list(parsed.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in "
-                                 f"[0, {self.vocab_size})")
+            ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
             items = self._items_in_order(where, ids, given, texts, options)
             ids, ranges = expand_spans(where, ids, self.placeholder_ids, items, allow_expanded=True)
         for item in items:

@@ -17,7 +17,7 @@ from mmkit.inputs import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.models.mistral3 import Mistral3ForConditionalGeneration, merged_grid
 from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.spans import SpanItem, expand_spans
+from mmkit.processors.spans import SpanItem, checked_token_ids, expand_spans
 
 
 class Mistral3InputProcessor:
@@ -69,11 +69,7 @@ class Mistral3InputProcessor:
         if parsed.prompt is not None:
             ids = list(self.tokenizer(parsed.prompt).input_ids)
         else:
-            ids = list(parsed.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in "
-                                 f"[0, {self.vocab_size})")
+            ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
         ids, ranges = expand_spans(where, ids, {"image": self.image_token_id}, items,
                                    allow_expanded=parsed.prompt is None)
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,

@@ -76,6 +76,14 @@ def expand_spans(where: str, ids: Sequence[int], placeholder_ids: dict[str, int]
     return out, ranges
 
 
+def checked_token_ids(where: str, ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A token-id prompt's ids, each below the vocabulary size."""
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in [0, {vocab_size})")
+    return list(ids)
+
+
 def count_error(where: str, ids: Sequence[int], placeholder_ids: dict[str, int], items: Sequence[SpanItem]) -> str:
     parts = []
     for modality, tid in placeholder_ids.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_image, pil_to_tensor
-from span_ref import hf_span_greedy, hf_span_inputs
+from span_ref import check_prefix_cache_hit, hf_span_greedy, hf_span_inputs
 from mmkit import LLM, SamplingParams
 from mmkit.testing import build_tiny_checkpoint
 from mmkit.testing.idefics3 import rewrite_idefics3_hub_layout
@@ -85,16 +85,7 @@ def test_mixed_batch_chunked_preempted_equal_transformers(ckpt):
 
 def test_prefix_cache_hit_and_hub_layout(ckpt, tmp_path):
     family, path = ckpt
-    llm = LLM(str(path), dtype="float32", block_size=4)
-    q2 = P1.replace("What is in the image?", "Describe it in one word.")
-    first = llm.generate({"prompt": P1, "multi_modal_data": {"image": IMG2}}, greedy(), use_tqdm=False)
-    before = llm.get_metrics()
-    second = llm.generate({"prompt": q2, "multi_modal_data": {"image": IMG2}}, greedy(), use_tqdm=False)
-    after = llm.get_metrics()
-    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
-    assert after["encoder_cache_misses"] == before["encoder_cache_misses"]
-    assert first[0].outputs[0].token_ids == hf_span_greedy(path, P1, [IMG2])
-    assert second[0].outputs[0].token_ids == hf_span_greedy(path, q2, [IMG2])
+    check_prefix_cache_hit(path, P1, IMG2, greedy())
     hub = rewrite_idefics3_hub_layout(path, tmp_path / "hub")
     out = LLM(str(hub), dtype="float32").generate({"prompt": P2, "multi_modal_data": {"image": [IMG2, IMG3]}},
                                                   greedy(), use_tqdm=False)

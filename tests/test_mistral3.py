@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_image, pil_to_tensor
-from span_ref import hf_span_greedy, hf_span_inputs
+from span_ref import check_prefix_cache_hit, hf_span_greedy, hf_span_inputs
 from mmkit import LLM, SamplingParams
 from mmkit.testing import build_tiny_checkpoint
 from mmkit.testing.mistral3 import rewrite_mistral3_hub_layout
@@ -74,16 +74,7 @@ def test_mixed_batch_chunked_preempted_equal_transformers(ckpt):
 
 
 def test_prefix_cache_hit_reuses_the_image(ckpt):
-    llm = LLM(str(ckpt), dtype="float32", block_size=4)
-    q2 = P1.replace("What is in the image?", "Describe it in one word.")
-    first = llm.generate({"prompt": P1, "multi_modal_data": {"image": IMG2}}, greedy(), use_tqdm=False)
-    before = llm.get_metrics()
-    second = llm.generate({"prompt": q2, "multi_modal_data": {"image": IMG2}}, greedy(), use_tqdm=False)
-    after = llm.get_metrics()
-    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
-    assert after["encoder_cache_misses"] == before["encoder_cache_misses"]
-    assert first[0].outputs[0].token_ids == hf_span_greedy(ckpt, P1, [IMG2])
-    assert second[0].outputs[0].token_ids == hf_span_greedy(ckpt, q2, [IMG2])
+    check_prefix_cache_hit(ckpt, P1, IMG2, greedy())
 
 
 def test_hub_layout_gives_the_same_ids(ckpt, tmp_path):
@@ -121,3 +112,16 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="mm_processor_kwargs: .*takes no processor options"):
         LLM(str(ckpt), dtype="float32", mm_processor_kwargs={"size": {"longest_edge": 32}})
+
+
+def test_sliding_decoder_config_caps_the_length(tmp_path):
+    """A decoder config with `sliding_window` is read as such (today: sequences capped at the
+    window, where sliding and full attention agree): ids inside it equal transformers', a
+    longer prompt is refused up front."""
+    path = build_tiny_checkpoint("Mistral3ForConditionalGeneration", tmp_path / "sliding", seed=5, sliding_window=48)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.config.model.max_model_len == 48
+    out = llm.generate({"prompt": P1, "multi_modal_data": {"image": IMG1}}, greedy(16), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_span_greedy(path, P1, [IMG1], max_new_tokens=16)
+    with pytest.raises(ValueError, match=r"inputs\[0\].*max_model_len = 48.*sliding"):
+        llm.generate({"prompt": P2, "multi_modal_data": {"image": [IMG3, IMG3]}}, greedy(4), use_tqdm=False)
