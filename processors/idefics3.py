@@ -90,6 +90,12 @@ class Idefics3InputProcessor:
             if self.video_processor is None:
                 raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.name} takes images only (video "
                                  "input is SmolVLM's: SmolVLMForConditionalGeneration); expected 'image'")
+            if getattr(self.video_processor, "do_sample_frames", False):
+                # NOTE: transformers refuses to sample given frames without their frame rate too.
+                raise ValueError(f"{where}.multi_modal_data['video']: this checkpoint's video processor samples "
+                                 "frames (do_sample_frames=True), which needs the source video's frame rate; mmkit "
+                                 "takes the frames as given: pass the frames to use and set do_sample_frames to "
+                                 "false in the checkpoint's processor config")
             videos = parse_videos(f"{where}.multi_modal_data['video']", parsed.video_data)
         given = {"image": list(parsed.images), "video": videos}
         for modality, items in given.items():

@@ -115,7 +115,7 @@ def test_mm_processor_kwargs_change_one_requests_layout(ckpt):
     assert again[1].prompt_token_ids == outs[0].prompt_token_ids
 
 
-def test_bad_inputs_fail_before_anything_is_added(ckpt):
+def test_bad_inputs_fail_before_anything_is_added(ckpt, monkeypatch):
     family, path = ckpt
     llm = LLM(str(path), dtype="float32", limit_mm_per_prompt={"image": 2, "video": 1})
     ok = {"prompt": P1, "multi_modal_data": {"image": IMG1}}
@@ -140,6 +140,11 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
     for item, match in bad:
         with pytest.raises(ValueError, match=match):
             llm.generate([ok, item], greedy(4), use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    if family == "smolvlm":  # a processor that would sample the given frames needs their frame rate
+        monkeypatch.setattr(llm.llm_engine.input_processor.video_processor, "do_sample_frames", True)
+        with pytest.raises(ValueError, match=r"inputs\[1\]\.multi_modal_data\['video'\]: .*do_sample_frames=True"):
+            llm.generate([ok, {"prompt": PV, "multi_modal_data": {"video": FRAMES}}], greedy(4), use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="mm_processor_kwargs: unknown key"):
         LLM(str(path), dtype="float32", mm_processor_kwargs={"nope": 1})
