@@ -71,8 +71,11 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
 
     def prepare_for_inference(self) -> int:
         self.language_model.rotary.float()
-        rotary = self.vision_tower.patch_positional_embedding  # axial frequencies stay float32, as in HF
-        rotary.inv_freq = rotary.inv_freq.float()
+        # The tower's axial frequencies stay float32, as transformers keeps them (recomputed: the
+        # engine's dtype cast rounded the buffer).
+        rotary = self.vision_tower.patch_positional_embedding
+        inv_freq = rotary.compute_axial_rope_parameters(self.config.vision_config)[0]
+        rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
         return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ multimodal interface

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_image, pil_to_tensor
+from conftest import DEVICES, bf16_agreement, make_image, pil_to_tensor
 from span_ref import check_prefix_cache_hit, hf_span_greedy, hf_span_inputs
 from mmkit import LLM, SamplingParams
 from mmkit.testing import build_tiny_checkpoint
@@ -125,3 +125,14 @@ def test_sliding_decoder_config_caps_the_length(tmp_path):
     assert out[0].outputs[0].token_ids == hf_span_greedy(path, P1, [IMG1], max_new_tokens=16)
     with pytest.raises(ValueError, match=r"inputs\[0\].*max_model_len = 48.*sliding"):
         llm.generate({"prompt": P2, "multi_modal_data": {"image": [IMG3, IMG3]}}, greedy(4), use_tqdm=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_agrees_with_transformers_bf16(ckpt, device):
+    """Whole sequences against transformers' own bf16 generate; agreement rate reported, >= 90%."""
+    inputs = [TEXT, {"prompt": P1, "multi_modal_data": {"image": IMG3}},
+              {"prompt": P2, "multi_modal_data": {"image": [IMG1, IMG2]}}]
+    refs = [dict(prompt=TEXT), dict(prompt=P1, images=[IMG3]), dict(prompt=P2, images=[IMG1, IMG2])]
+    rate = bf16_agreement(ckpt, device, inputs, refs)
+    print(f"bf16 agreement mistral3 {device}: {rate:.1%}")
+    assert rate >= 0.9
