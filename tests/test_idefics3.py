@@ -174,3 +174,19 @@ def test_generic_code_names_no_span_family():
     named = [f"{f.relative_to(root)}:{i + 1}" for f in files
              for i, line in enumerate(f.read_text().splitlines()) if pattern.search(line)]
     assert len(files) > 10 and named == []
+
+
+def test_chat_image_and_video_parts(ckpt):
+    """LLM.chat renders the checkpoint's template (an image part and, for SmolVLM, a video part)
+    and the result is transformers' for the rendered prompt."""
+    family, path = ckpt
+    llm = LLM(str(path), dtype="float32")
+    cases = [({"type": "image", "image": IMG2}, {"images": [IMG2]}, "<image>")]
+    if family == "smolvlm":
+        cases.append(({"type": "video_url", "video_url": {"url": FRAMES}}, {"videos": FRAMES}, "<video>"))
+    for part, kwargs, placeholder in cases:
+        msg = [{"role": "user", "content": [part, {"type": "text", "text": "What is shown?"}]}]
+        out = llm.chat(msg, greedy(), use_tqdm=False)[0]
+        assert out.prompt.count(placeholder) == 1
+        assert out.prompt_token_ids == hf_span_inputs(path, out.prompt, **kwargs)["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == hf_span_greedy(path, out.prompt, **kwargs)
