@@ -35,9 +35,7 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         text = config.text_config
-        if text.model_type not in SUPPORTED_TEXT_MODELS:
-            raise ValueError(f"model: {type(self).__name__} with a {text.model_type!r} language model is not "
-                             f"supported; supported language models: {list(SUPPORTED_TEXT_MODELS)}")
+        self.check_config(config)
         vision_cls, connector_cls = self._hf_classes()[1:]
         self.config = config
         self.vision_model = vision_cls._from_config(config.vision_config)
@@ -46,6 +44,14 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """A Llama decoder (what every released checkpoint of the family has)."""
+        text_type = getattr(hf_config.get_text_config(), "model_type", None)
+        if text_type not in SUPPORTED_TEXT_MODELS:
+            raise ValueError(f"model: {cls.__name__} with a {text_type!r} language model is not supported; "
+                             f"supported language models: {list(SUPPORTED_TEXT_MODELS)}")
 
     @staticmethod
     def _hf_classes():

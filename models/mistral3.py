@@ -52,10 +52,7 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
         text = config.text_config
-        if text.model_type not in SUPPORTED_TEXT_MODELS or getattr(config.vision_config, "model_type", None) != "pixtral":
-            raise ValueError(f"model: Mistral3ForConditionalGeneration with a {text.model_type!r} language model and a "
-                             f"{config.vision_config.model_type!r} vision tower is not supported; supported: "
-                             f"{list(SUPPORTED_TEXT_MODELS)} decoders with the 'pixtral' tower")
+        self.check_config(config)
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = Mistral3MultiModalProjector(config)
@@ -63,6 +60,16 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """A Mistral / Llama decoder behind the Pixtral tower (what mmkit computes exactly)."""
+        text_type = getattr(hf_config.get_text_config(), "model_type", None)
+        vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
+        if text_type not in SUPPORTED_TEXT_MODELS or vision_type != "pixtral":
+            raise ValueError(f"model: Mistral3ForConditionalGeneration with a {text_type!r} language model and a "
+                             f"{vision_type!r} vision tower is not supported; supported: "
+                             f"{list(SUPPORTED_TEXT_MODELS)} decoders with the 'pixtral' tower")
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,

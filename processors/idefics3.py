@@ -12,7 +12,7 @@ gives the views (`[1, views, 3, S, S]`), which must match the prediction.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -45,7 +45,9 @@ def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
 
 
 class Idefics3InputProcessor:
-    """`InputProcessor` of Idefics3 and SmolVLM (video: SmolVLM only)."""
+    """`InputProcessor` of Idefics3 (images); `SmolVLMInputProcessor` adds video."""
+
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -59,7 +61,7 @@ class Idefics3InputProcessor:
         hf = self.hf_processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
         self.tokenizer = hf.tokenizer
         self.image_processor = hf.image_processor
-        self.video_processor = getattr(hf, "video_processor", None) if hasattr(hf, "replace_video_token") else None
+        self.video_processor = getattr(hf, "video_processor", None) if "video" in self.supported_modalities else None
         self.chat_template = getattr(hf, "chat_template", None)
         self.vocab_size = model_config.vocab_size
         self.image_token_id = model_config.hf_config.image_token_id
@@ -226,6 +228,12 @@ class Idefics3InputProcessor:
                              "predicted; refusing to misalign the placeholders")
         return {"pixel_values": pixels, "pixel_attention_mask": out["pixel_attention_mask"],
                 "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}
+
+
+class SmolVLMInputProcessor(Idefics3InputProcessor):
+    """SmolVLM / SmolVLM2: Idefics3's image layout, and video (its frame prompt)."""
+
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image", "video")
 
 
 def _find_all(text: str, token: str) -> list[int]:

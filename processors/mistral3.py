@@ -9,7 +9,7 @@ predicted span (never a silent misalignment).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -22,6 +22,8 @@ from mmkit.processors.spans import SpanItem, checked_token_ids, expand_spans
 
 class Mistral3InputProcessor:
     """`InputProcessor` of Mistral3ForConditionalGeneration (images of any size; no options)."""
+
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
