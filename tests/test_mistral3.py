@@ -114,17 +114,22 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         LLM(str(ckpt), dtype="float32", mm_processor_kwargs={"size": {"longest_edge": 32}})
 
 
-def test_sliding_decoder_config_caps_the_length(tmp_path):
-    """A decoder config with `sliding_window` is read as such (today: sequences capped at the
-    window, where sliding and full attention agree): ids inside it equal transformers', a
-    longer prompt is refused up front."""
-    path = build_tiny_checkpoint("Mistral3ForConditionalGeneration", tmp_path / "sliding", seed=5, sliding_window=48)
-    llm = LLM(str(path), dtype="float32")
-    assert llm.llm_engine.config.model.max_model_len == 48
-    out = llm.generate({"prompt": P1, "multi_modal_data": {"image": IMG1}}, greedy(16), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_span_greedy(path, P1, [IMG1], max_new_tokens=16)
-    with pytest.raises(ValueError, match=r"inputs\[0\].*max_model_len = 48.*sliding"):
-        llm.generate({"prompt": P2, "multi_modal_data": {"image": [IMG3, IMG3]}}, greedy(4), use_tqdm=False)
+def test_sliding_window_decoder_equals_transformers(tmp_path):
+    """A decoder with a 16-token window and prompts far longer than it: the image inside the
+    window (near the end) and outside it (at the start), greedy ids equal transformers'; also
+    with chunked prefill."""
+    path = build_tiny_checkpoint("Mistral3ForConditionalGeneration", tmp_path / "sliding", seed=5, sliding_window=16)
+    filler = " the quick brown fox jumps over the lazy dog" * 3
+    early = f"[INST][IMG]{filler} What was in the image?[/INST]"  # image beyond the window
+    late = f"[INST]{filler} Now look: [IMG]What is it?[/INST]"  # image inside the window
+    cases = [(early, [IMG2]), (late, [IMG1]), (f"[INST][IMG]{filler}[IMG]Compare.[/INST]", [IMG3, IMG1])]
+    refs = [hf_span_greedy(path, p, ims) for p, ims in cases]
+    inputs = [{"prompt": p, "multi_modal_data": {"image": ims}} for p, ims in cases]
+    for kwargs in ({}, {"max_num_batched_tokens": 8}):
+        llm = LLM(str(path), dtype="float32", **kwargs)
+        outs = llm.generate(inputs, greedy(), use_tqdm=False)
+        assert llm.llm_engine.config.model.sliding_window == 16 and all(len(o.prompt_token_ids) > 48 for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == refs, kwargs
 
 
 @pytest.mark.parametrize("device", DEVICES)
