@@ -142,10 +142,11 @@ def hub_key(key: str) -> str:
     return key
 
 
-def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
+def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2, key_fn=None) -> Path:
     """The same weights the way llava-hf repos on the hub store them (saved by transformers
     4.x): `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.*`,
-    `rope_theta` in the text config, fp16, sharded with an index."""
+    `rope_theta` in the text config, fp16, sharded with an index. `key_fn`: a family's own
+    4.x key names (default `hub_key`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -158,7 +159,8 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    renamed = {hub_key(key): tensor.to(torch.float16).contiguous() for key, tensor in state.items()}
+    key_fn = key_fn or hub_key
+    renamed = {key_fn(key): tensor.to(torch.float16).contiguous() for key, tensor in state.items()}
     keys = sorted(renamed)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}
