@@ -305,8 +305,11 @@ def sliding_window(text_config: Any) -> int | None:
 def _image_seq_length(hf_config: Any) -> int | None:
     """Placeholder tokens per image, the way LlavaProcessor counts them."""
     vision = getattr(hf_config, "vision_config", None)
-    if vision is None or getattr(vision, "image_size", None) is None or getattr(vision, "patch_size", None) is None:
-        return None  # a family whose count depends on the image (Qwen2-VL: its model says, per item)
+    if vision is None or not isinstance(getattr(vision, "image_size", None), int) \
+            or not isinstance(getattr(vision, "patch_size", None), int):
+        # a family whose count depends on the image (Qwen2-VL: its model says, per item), or
+        # one with [height, width] sizes (its model counts)
+        return None
     num_patches = (vision.image_size // vision.patch_size) ** 2
     strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
     # CLIP-like towers prepend a CLS token, SigLIP does not; "default" drops the first feature

@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "InternVLForConditionalGeneration": ("mmkit.models.internvl", "InternVLForConditionalGeneration"),
 }
 # Families whose own module fixes the decoder and vision tower (no per-part check below).
 _SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
@@ -22,13 +23,14 @@ _TEXT_MODELS: dict[str, tuple[str, str]] = {
     "qwen3": ("mmkit.models.qwen3", "Qwen3Model"),
 }
 SUPPORTED_TEXT_MODELS = tuple(_TEXT_MODELS)
-SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model", "internvl_vision")
 
 
 # An old config without `architectures` is resolved by its model_type.
 _BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                   "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "internvl": "InternVLForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:

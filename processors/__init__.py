@@ -17,6 +17,7 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaOnevisionInputProcessor"),
     "Qwen2VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+    "InternVLForConditionalGeneration": ("mmkit.processors.internvl", "InternVLInputProcessor"),
 }
 
 

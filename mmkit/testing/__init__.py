@@ -31,6 +31,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "LlavaOnevisionForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_onevision"}),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2"}),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2.5"}),
+    "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
 }
 
 

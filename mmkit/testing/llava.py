@@ -34,14 +34,17 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 384):
+def build_tokenizer(out_dir: Path, vocab_size: int = 384, special_tokens: list[str] | None = None,
+                    extra_special_tokens: dict[str, str] | None = None):
+    """A byte-level BPE trained on a small corpus; `special_tokens` (default LLaVA's) come first
+    and `extra_special_tokens` become the tokenizer's named attributes (e.g. `image_token`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens or SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     bos = tok.token_to_id("<s>")
@@ -49,7 +52,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384):
                                                        special_tokens=[("<s>", bos)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", pad_token="<pad>",
-                                   extra_special_tokens={"image_token": "<image>"})
+                                   extra_special_tokens=extra_special_tokens or {"image_token": "<image>"})
     fast.save_pretrained(out_dir)
     return fast
 
