@@ -133,7 +133,7 @@ def test_image_embeddings_as_input(ckpt):
     assert InternVLForConditionalGeneration.get_num_placeholder_tokens(
         model.config, (40, 30), num_tiles=pixels.shape[0]) == embeds.shape[1]
     llm = LLM(str(ckpt), dtype="float32")
-    out = llm.generate({"prompt": P1, "multi_modal_data": {"image": embeds}},
+    out = llm.generate({"prompt": P1, "multi_modal_data": {"image_embeds": embeds}},
                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_ids(ckpt, P1, ONE)
 
