@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, pack_linears
-from mmkit.models.registry import text_model_class
+from mmkit.models.registry import SUPPORTED_TEXT_MODELS, text_model_class
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -55,6 +55,18 @@ class InternVLForConditionalGeneration(DecoderLMMixin, nn.Module):
     """InternVL `-HF`: a size- and option-dependent number of tokens per image (`SupportsMultiModal`)."""
 
     supports_multimodal: ClassVar[bool] = True
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """The decoder must be one mmkit computes exactly; the tower is InternViT."""
+        text_type = getattr(hf_config.get_text_config(), "model_type", None)
+        if text_type not in SUPPORTED_TEXT_MODELS:
+            raise ValueError(f"model: {cls.__name__} with a {text_type!r} language model is not supported; "
+                             f"supported language models: {list(SUPPORTED_TEXT_MODELS)}")
+        vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
+        if vision_type != "internvl_vision":
+            raise ValueError(f"model: {cls.__name__} with a {vision_type!r} vision tower is not supported; "
+                             "expected 'internvl_vision' (InternViT)")
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()

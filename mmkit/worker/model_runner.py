@@ -280,7 +280,7 @@ class ModelRunner:
 
 def _release_freed_memory() -> None:
     """Hand memory freed during loading back to the OS (glibc keeps freed heap pages
-    resident otherwise: ~200 MB for the benchmark LLaVA). A no-op without glibc."""
+    resident otherwise: ~200 MB for the benchmark model). A no-op without glibc."""
     import ctypes
     import ctypes.util
 
