@@ -4,13 +4,11 @@ tiling image processor, and the same weights in the transformers 4.x hub layout.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from mmkit.testing.llava import build_tokenizer, tiny_text_config
+from mmkit.testing.llava import build_tokenizer, rewrite_hub_layout, tiny_text_config
 
 # The special tokens of the OpenGVLab/InternVL3_5-*-HF tokenizers that the processor reads.
 INTERNVL_SPECIAL = {"start_image_token": "<img>", "end_image_token": "</img>",
@@ -85,32 +83,5 @@ def internvl_hub_key(key: str) -> str:
 def rewrite_internvl_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
     """The same weights in the hub layout: 4.x key names, bf16, sharded with an index,
     `rope_theta` at the top of the text config."""
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    renamed = {internvl_hub_key(k): t.to(torch.bfloat16).contiguous() for k, t in state.items()}
-    keys = sorted(renamed)
-    weight_map = {}
-    for i in range(num_shards):
-        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: renamed[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys[i::num_shards]})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((src / "config.json").read_text())
-    text = config["text_config"]
-    rope = text.pop("rope_parameters", None) or {}
-    if "rope_theta" in rope:
-        text["rope_theta"] = rope["rope_theta"]
-    for part in (config, text, config["vision_config"]):
-        part.pop("dtype", None)
-    config["torch_dtype"] = "bfloat16"
-    config["transformers_version"] = "4.52.0.dev0"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return rewrite_hub_layout(src, dst, num_shards, key_fn=internvl_hub_key, dtype=torch.bfloat16,
+                              transformers_version="4.52.0.dev0")

@@ -145,10 +145,12 @@ def hub_key(key: str) -> str:
     return key
 
 
-def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
+def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2, key_fn=None,
+                       dtype: torch.dtype = torch.float16, transformers_version: str = "4.45.0.dev0") -> Path:
     """The same weights the way llava-hf repos on the hub store them (saved by transformers
     4.x): `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.*`,
-    `rope_theta` in the text config, fp16, sharded with an index."""
+    `rope_theta` in the text config, fp16, sharded with an index. Another family passes its
+    own hub key names (`key_fn`, default `hub_key`), dtype and writer version."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -161,7 +163,7 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    renamed = {hub_key(key): tensor.to(torch.float16).contiguous() for key, tensor in state.items()}
+    renamed = {(key_fn or hub_key)(key): tensor.to(dtype).contiguous() for key, tensor in state.items()}
     keys = sorted(renamed)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}
@@ -177,8 +179,8 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
             text["rope_theta"] = rope["rope_theta"]
         text.pop("rope_scaling", None)
         text.pop("dtype", None)
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.pop("dtype", None)
-    config["transformers_version"] = "4.45.0.dev0"
+    config["transformers_version"] = transformers_version
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
