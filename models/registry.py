@@ -169,4 +169,7 @@ _register("Idefics3ForConditionalGeneration", "mmkit.models.idefics3:Idefics3For
           processor="mmkit.processors.idefics3:Idefics3InputProcessor", model_types=("idefics3",))
 _register("SmolVLMForConditionalGeneration", "mmkit.models.idefics3:SmolVLMForConditionalGeneration",
           processor="mmkit.processors.idefics3:SmolVLMInputProcessor", model_types=("smolvlm",))
+# InternVL -HF (models/internvl.py, processors/internvl.py)
+_register("InternVLForConditionalGeneration", "mmkit.models.internvl:InternVLForConditionalGeneration",
+          processor="mmkit.processors.internvl:InternVLInputProcessor", model_types=("internvl",))
 del _register

@@ -37,6 +37,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Mistral3ForConditionalGeneration": ("mistral3", "build_tiny_mistral3", {}),
     "Idefics3ForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "idefics3"}),
     "SmolVLMForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "smolvlm"}),
+    "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
 }
 
 
