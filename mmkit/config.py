@@ -51,10 +51,16 @@ class ModelConfig:
     head_dim: int
     image_token_id: int | None
     image_seq_length: int | None  # placeholder tokens per image after expansion
-    # The decoder's sliding attention window (the model class's `get_sliding_window`), or None.
-    # NOTE: mmkit attends to the whole context, so max_model_len is capped at the window: every
-    # sequence it accepts is inside the window, where both attentions are the same.
-    sliding_window: int | None = None
+    # Each decoder layer's sliding attention window in tokens, None for a global layer (read
+    # from the HF config as transformers does: mmkit/layers/sliding_window.py).
+    layer_sliding_windows: tuple[int | None, ...] = ()
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer slides: KV blocks entirely before it are freed."""
+        from mmkit.layers.sliding_window import kv_window
+
+        return kv_window(list(self.layer_sliding_windows))
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
 
 
 def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
+    from mmkit.layers.sliding_window import layer_windows
     from mmkit.models.registry import ModelRegistry
 
     from transformers import AutoConfig
@@ -261,15 +268,6 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
     text = hf_config.get_text_config()
     device = resolve_device(args.device)
     derived_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
-    window = _declared(model_cls, "get_sliding_window", hf_config)
-    if window is not None:
-        if args.max_model_len is not None and args.max_model_len > window:
-            raise ValueError(
-                f"max_model_len: got {args.max_model_len}; this checkpoint's decoder uses sliding-window "
-                f"attention (window {window} tokens), which mmkit does not implement yet, so sequences are "
-                f"limited to the window; expected at most {window}"
-            )
-        derived_len = min(derived_len, window)
     max_model_len = args.max_model_len or derived_len
     num_heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
@@ -291,7 +289,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         head_dim=head_dim,
         image_token_id=image_token_id,
         image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
-        sliding_window=window,
+        layer_sliding_windows=tuple(layer_windows(text)),
     )
 
 

@@ -47,6 +47,7 @@ class NewSeqData:
     encoder_keys: tuple[str, ...] = ()  # encoder-cache key of each item
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] (SupportsMRoPE)
     mrope_position_delta: int = 0
+    bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans
     # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their
     # first tokens come from this sequence's last prompt row (see engine/sequence.py).
     pending_forks: tuple[tuple[int, int], ...] = ()

@@ -17,6 +17,7 @@ from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers import cpu_kernels
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
+from mmkit.layers.sliding_window import layer_windows
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -72,8 +73,9 @@ QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # this layer's window in tokens (None: global)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -107,7 +109,7 @@ class LlamaAttention(nn.Module):
         qk = self.rotate_qk(qkv, rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, nh * hd))
 
     def rotate_qk(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
@@ -163,6 +165,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config)
+        # Mistral v0.1 slides in every layer, Qwen2 with use_sliding_window in some (layer_types).
+        self.self_attn.sliding_window = layer_windows(config)[layer_idx]
         self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

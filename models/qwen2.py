@@ -15,7 +15,4 @@ from mmkit.models.llama import LlamaModel
 class Qwen2Model(LlamaModel):
     """The Qwen2 decoder stack without the LM head (HF's `Qwen2VLTextModel` / `Qwen2Model`)."""
 
-    def __init__(self, config, max_positions: int) -> None:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("model: Qwen2 decoders with use_sliding_window=True are not supported")
-        super().__init__(config, max_positions)
+    # use_sliding_window: the config's layer_types name the sliding layers (LlamaModel reads them).

@@ -161,4 +161,15 @@ _register("Qwen2VLForConditionalGeneration", "mmkit.models.qwen2_vl:Qwen2VLForCo
           processor="mmkit.processors.qwen2_vl:Qwen2VLInputProcessor", model_types=("qwen2_vl",))
 _register("Qwen2_5_VLForConditionalGeneration", "mmkit.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
           processor="mmkit.processors.qwen2_vl:Qwen2VLInputProcessor", model_types=("qwen2_5_vl",))
+# Mistral 3 (models/mistral3.py, processors/mistral3.py)
+_register("Mistral3ForConditionalGeneration", "mmkit.models.mistral3:Mistral3ForConditionalGeneration",
+          processor="mmkit.processors.mistral3:Mistral3InputProcessor", model_types=("mistral3",))
+# Idefics3 and SmolVLM (models/idefics3.py, processors/idefics3.py)
+_register("Idefics3ForConditionalGeneration", "mmkit.models.idefics3:Idefics3ForConditionalGeneration",
+          processor="mmkit.processors.idefics3:Idefics3InputProcessor", model_types=("idefics3",))
+_register("SmolVLMForConditionalGeneration", "mmkit.models.idefics3:SmolVLMForConditionalGeneration",
+          processor="mmkit.processors.idefics3:SmolVLMInputProcessor", model_types=("smolvlm",))
+# InternVL -HF (models/internvl.py, processors/internvl.py)
+_register("InternVLForConditionalGeneration", "mmkit.models.internvl:InternVLForConditionalGeneration",
+          processor="mmkit.processors.internvl:InternVLInputProcessor", model_types=("internvl",))
 del _register

@@ -30,6 +30,9 @@ class ProcessedPrompt:
     # Processor options of this request (engine-wide ones merged with its own); part of its
     # items' content hashes, so other options never share cached embeddings or KV blocks.
     mm_processor_kwargs: dict = field(default_factory=dict)
+    # Spans the decoder attends bidirectionally (Gemma 3: each run of image soft tokens), as
+    # (offset, length); the scheduler computes each in one chunk, the attention reads them.
+    bidirectional_ranges: list[PlaceholderRange] = field(default_factory=list)
 
 
 class InputProcessor(Protocol):

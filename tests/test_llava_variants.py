@@ -82,23 +82,6 @@ def test_hub_layout_resave_gives_the_same_ids(variant, tmp_path):
     assert_generate_matches_hf(llm, hub, inputs[:3], refs[:3], MAX_TOKENS)
 
 
-def test_mistral_sliding_window_limits_sequences_to_the_window(tmp_path):
-    path = build_tiny_llava(tmp_path / "swa", text_type="mistral", sliding_window=40, seed=5)
-    with pytest.raises(ValueError, match=r"max_model_len: got 100; .*sliding-window attention \(window 40"):
-        LLM(str(path), dtype="float32", max_model_len=100)
-    llm = LLM(str(path), dtype="float32")
-    assert llm.llm_engine.config.model.max_model_len == 40
-    long_prompt = "the quick brown fox " * 12
-    with pytest.raises(ValueError, match=r"inputs\[1\].*expected at most max_model_len = 40 .*sliding attention window"):
-        llm.generate(["Hello", long_prompt], SamplingParams(max_tokens=4), use_tqdm=False)
-    # Inside the window both attentions agree; the sequence stops at the window.
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)[0]
-    num_prompt = len(out.prompt_token_ids)
-    assert len(out.outputs[0].token_ids) == 40 - num_prompt and out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].token_ids == hf_greedy(path, prompt="Hello", max_new_tokens=40 - num_prompt,
-                                                 ignore_eos=True)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_agrees_with_transformers_bf16(variant, device):
     """Whole sequences against transformers' own bf16 generate; the agreement rate (tokens

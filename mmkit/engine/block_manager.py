@@ -15,6 +15,13 @@ caching is off) holds nothing worth keeping: it goes to a second free list that 
 first, most recently freed first. Its pages are already resident and warm, so resident
 memory follows the blocks in use instead of walking through the pool's never-written blocks
 (on CPU the pool is committed page by page on first write; see kv_cache.py).
+
+Sliding windows (vLLM's sliding-window manager): when every layer of the model attends
+through a window of W tokens, a block whose positions all lie before the next query's window
+(position N - W + 1 once N tokens are computed) is never read again. `free_out_of_window`
+releases it and leaves `NULL_BLOCK` at its index in the table, so a long request holds at
+most ceil(W / block_size) + 1 blocks while it decodes. A model with any global layer keeps
+every block (those layers read the whole context).
 """
 
 from __future__ import annotations
@@ -24,15 +31,20 @@ from collections import OrderedDict
 from mmkit.engine.sequence import Sequence
 
 
+NULL_BLOCK = -1  # a block-table entry whose block was freed (entirely out of every window)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # set only when every layer slides
         # NOTE: every block with ref count 0 is in `free_blocks` (oldest first); some of
         # them still carry a hash and can be revived by a prefix-cache hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -113,6 +125,8 @@ class BlockManager:
         for i in range(num_full):
             block_id = seq.block_table[i]
             block_hash = seq.block_hashes[i]
+            if block_id == NULL_BLOCK:
+                continue  # freed out of the window (published before, if it could be)
             if self.block_hash[block_id] is not None or block_hash in self.cached:
                 continue  # already published, or an identical block is: this one stays private
             self.block_hash[block_id] = block_hash
@@ -151,13 +165,30 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
-            self.ref_counts[block_id] += 1
+            if block_id != NULL_BLOCK:
+                self.ref_counts[block_id] += 1
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the head of a prefix (shared most often) is evicted last.
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         seq.block_table = []
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Release `seq`'s blocks that lie entirely before the window of its next query
+        (only when every layer slides). Returns the number of blocks released."""
+        if self.sliding_window is None:
+            return 0
+        first_needed = seq.num_computed_tokens - self.sliding_window + 1  # first key still read
+        released = 0
+        for i in range(min(max(first_needed, 0) // self.block_size, len(seq.block_table))):
+            block_id = seq.block_table[i]
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+                seq.block_table[i] = NULL_BLOCK
+                released += 1
+        return released
 
     # ------------------------------------------------------------------ internals
     def _first_write_is_shared(self, seq: Sequence) -> bool:

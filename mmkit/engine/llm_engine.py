@@ -54,7 +54,7 @@ class LLMEngine:
             self.prefetcher = MultiModalPrefetcher(self.input_processor, config.preprocess_lookahead)
             self.model_runner.mm_item_inputs = self.prefetcher.mm_item_inputs
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, config.model.sliding_window)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
         row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
@@ -96,13 +96,6 @@ class LLMEngine:
                 raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): {exc}") from exc
         return processed, params
 
-    def _window_note(self, max_len: int) -> str:
-        window = self.config.model.sliding_window
-        if window is None or window != max_len:
-            return ""
-        return (f" (the decoder's sliding attention window of {window} tokens; mmkit does not "
-                f"implement sliding-window attention yet)")
-
     @property
     def structured_backend(self):
         """The engine's xgrammar backend (tokenizer info built once, compiled-grammar cache).
@@ -124,7 +117,7 @@ class LLMEngine:
         if num_tokens > max_len:
             raise ValueError(
                 f"{where}: the prompt is {num_tokens} tokens (text plus image tokens); expected at most "
-                f"max_model_len = {max_len}{self._window_note(max_len)}"
+                f"max_model_len = {max_len}"
             )
         bs = self.config.cache.block_size
         cache_tokens = self.block_manager.num_blocks * bs

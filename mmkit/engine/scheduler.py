@@ -152,7 +152,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            num_new = seq.num_tokens_whole_spans(seq.num_computed_tokens,
+                                                 min(seq.num_tokens - seq.num_computed_tokens, token_budget))
             if not self._make_room(seq, num_new, plan, scheduled_ids):
                 continue  # `seq` itself was preempted or finished; running[i] is the next one
             i += 1
@@ -195,7 +196,7 @@ class Scheduler:
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
-            pending_forks=forks)
+            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Preempt the newest running sequences until `seq` can allocate; False if `seq` left."""
@@ -239,11 +240,18 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
-        # Prompt logprobs need the logits of every prompt position: no skipping for them.
-        if not bm.enable_prefix_caching or seq.group.params.prompt_logprobs is not None:
+        if not bm.enable_prefix_caching:
+            return []
+        params = seq.group.params
+        # Prompt logprobs need the hidden rows from position prompt_logprobs_start - 1 on:
+        # only whole blocks before that row may come from the cache.
+        limit = None if params.prompt_logprobs is None else \
+            max(params.first_prompt_logprob(seq.num_prompt_tokens) - 1, 0) // bm.block_size
+        if limit == 0:
             return []
         update_block_hashes(seq, bm.block_size)
-        return bm.find_cached_prefix(seq)
+        hits = bm.find_cached_prefix(seq)
+        return hits if limit is None else hits[:limit]
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
         # NOTE: while running requests fill the step, a waiting request whose images are
@@ -263,7 +271,7 @@ class Scheduler:
                 self.preprocess.wait(seq.group.request_id)
             hits = self._cached_prefix(seq)
             start = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - start, token_budget)
+            num_new = seq.num_tokens_whole_spans(start, min(seq.num_tokens - start, token_budget))
             if not self.block_manager.can_allocate_with_prefix(seq, hits, num_new):
                 break
             num_new = self.encoder.schedule(seq, start, num_new, plan.encoder_inputs)
@@ -299,6 +307,8 @@ class Scheduler:
         for s in plan.scheduled:
             s.seq.num_computed_tokens = s.end
             by_id[s.seq.seq_id] = s.seq
+            # Every layer slides: blocks entirely before the next query's window go back.
+            self.block_manager.free_out_of_window(s.seq)
         for s in plan.scheduled:
             self.encoder.release_computed(s.seq)
         samples: list[tuple[Sequence, int]] = []

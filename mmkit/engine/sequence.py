@@ -78,6 +78,19 @@ class Sequence(TokenCounts):
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def num_tokens_whole_spans(self, start: int, num_new: int) -> int:
+        """`num_new` adjusted so that the chunk [start, start + num_new) never ends inside a
+        bidirectional span (its queries attend the span's later keys, which must be computed in
+        the same chunk): it stops before the span, or, when it starts inside or at the span,
+        runs to the span's end (past the token budget, as vLLM schedules such items whole)."""
+        end = start + num_new
+        for lo, length in self.group.processed.bidirectional_ranges:
+            hi = lo + length
+            if lo < end < hi:
+                end = lo if lo > start else hi
+                break
+        return end - start
+
     def reset_for_recompute(self) -> None:
         """After preemption: the K/V is gone; every token is recomputed on resume."""
         self.num_computed_tokens = 0

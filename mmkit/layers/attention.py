@@ -10,6 +10,16 @@ heads first. Gathering the blocks of a batch is then one `index_select` that yie
 `[num_kv_heads, num_seqs, max_len, head_dim]` without a transpose copy, and a decode batch is
 attended as `num_kv_heads` independent problems whose "queries" are the `num_heads /
 num_kv_heads` query heads sharing that KV head: grouped-query attention with no repeated K/V.
+
+Attention variants, per layer (a family only declares them; see `mmkit/layers/sliding_window.py`):
+- a sliding window of W tokens (`paged_attention(..., sliding_window=W)`): the query at
+  position p attends keys in (p - W, p], as transformers' `sliding_window_overlay`; only the
+  blocks that overlap some query's window are listed, so blocks entirely before it are never
+  read (and, for a model whose layers all slide, the block manager frees them);
+- bidirectional spans (`PrefillChunk.spans`, e.g. Gemma 3's image soft tokens): a query
+  inside a span also attends every key of the same span (transformers' `blockwise_overlay`,
+  OR-ed with the causal mask; the window is AND-ed on top, so it clips backwards only). The
+  scheduler computes a span in one chunk, so its later keys are always in the chunk.
 """
 
 from __future__ import annotations
@@ -28,10 +38,60 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens attended by the chunk's last query (cached + new)
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    # Bidirectional spans (absolute positions [start, end)) that overlap the chunk's queries.
+    spans: tuple[tuple[int, int], ...] = ()
+    # Boolean masks [query_len, keys] by window (0: none), built at first use in the step.
+    _masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def is_whole_prompt(self) -> bool:
         return self.context_len == self.query_len
+
+    def first_key(self, sliding_window: int | None, block_size: int) -> int:
+        """First key position the chunk reads: block-aligned start of its first query's window."""
+        if not sliding_window:
+            return 0
+        first = max(0, self.context_len - self.query_len - sliding_window + 1)
+        return first // block_size * block_size
+
+    def mask(self, sliding_window: int | None, first_key: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, query_len, context_len - first_key] bool: True = attend."""
+        key = sliding_window or 0
+        if key not in self._masks:
+            q_pos = torch.arange(self.query_len, device=device)[:, None] + (self.context_len - self.query_len)
+            k_pos = torch.arange(first_key, self.context_len, device=device)[None, :]
+            allowed = k_pos <= q_pos
+            if self.spans:
+                q_span, k_span = _span_ids(q_pos[:, 0], self.spans), _span_ids(k_pos[0], self.spans)
+                allowed |= (q_span[:, None] == k_span[None, :]) & (q_span[:, None] >= 0)
+            if sliding_window:
+                allowed &= k_pos > q_pos - sliding_window
+            self._masks[key] = (first_key, allowed[None, None])
+        return self._masks[key][1]
+
+
+def _span_ids(positions: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Index of the span holding each position, -1 outside every span."""
+    ids = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
+    for i, (lo, hi) in enumerate(spans):
+        ids[(positions >= lo) & (positions < hi)] = i
+    return ids
+
+
+@dataclass
+class DecodeView:
+    """The decode batch as one layer kind reads it: each sequence's listed blocks (padded to
+    the widest with block 0), the rows attended in them [start, len), the torch path's mask."""
+
+    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64
+    max_blocks: int
+    context_lens: torch.Tensor  # [num_decodes] rows of the listed blocks up to the new token
+    context_starts: torch.Tensor | None  # [num_decodes] first attended row; None: all 0
+    needs_mask: bool
+    # Additive mask of the torch path, [1, num_decodes, 1, max_blocks * block_size] (0 = attend,
+    # -inf = padding or out of the window): built at first use in a step and shared by the
+    # layers; the CPU kernel reads exact rows and never builds it.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -46,11 +106,38 @@ class AttentionMetadata:
     decode_max_blocks: int = 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_needs_mask: bool = False  # some decode is shorter than the padded width
-    # Additive mask of the torch decode path, [1, num_decodes, 1, max_blocks * block_size]
-    # (0 = attend, -inf = padding): built on its first use in a step and shared by the layers;
-    # the CPU kernel reads exact lengths and never builds it.
-    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    block_size: int = 0
+    # The decode batch as Python lists (block tables may hold -1 where a block out of every
+    # window was freed), for the per-window views built at a sliding layer's first use.
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    decode_windows: dict[int, DecodeView] = field(default_factory=dict)
+
+    def window_view(self, sliding_window: int) -> DecodeView:
+        """Decode view of a sliding layer: only the blocks overlapping each window."""
+        view = self.decode_windows.get(sliding_window)
+        if view is None:
+            view = self.decode_windows[sliding_window] = _window_view(
+                self.decode_tables, self.decode_lens, sliding_window, self.block_size, self.slot_mapping.device)
+        return view
+
+
+def _window_view(tables: list[list[int]], lens: list[int], window: int, block_size: int,
+                 device: torch.device) -> DecodeView:
+    firsts = [max(0, n - window) // block_size for n in lens]  # first listed block per sequence
+    counts = [-(-n // block_size) - f for n, f in zip(lens, firsts)]
+    width = max(counts)
+    flat: list[int] = []
+    rel_lens, starts = [], []
+    for table, n, first, count in zip(tables, lens, firsts, counts):
+        flat.extend(table[first:first + count])
+        flat.extend([0] * (width - count))  # block 0 as filler; masked
+        rel_lens.append(n - first * block_size)
+        starts.append(max(0, n - window) - first * block_size)
+    needs_mask = max(starts) > 0 or min(rel_lens) < width * block_size
+    return DecodeView(_long_tensor(flat, device), width, _long_tensor(rel_lens, device),
+                      _long_tensor(starts, device) if max(starts) > 0 else None, needs_mask)
 
 
 def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]], context_lens: list[int],
@@ -71,15 +158,10 @@ def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]]
     meta.decode_max_blocks = width
     meta.decode_context_lens = _long_tensor(context_lens, device)
     meta.decode_needs_mask = min(context_lens) < width * block_size
-
-
-def _decode_mask(meta: AttentionMetadata, max_len: int, dtype: torch.dtype) -> torch.Tensor | None:
-    if meta.decode_needs_mask and meta.decode_mask is None:
-        lens = meta.decode_context_lens
-        masked = torch.arange(max_len, device=lens.device)[None, :] >= lens[:, None]  # [num_decodes, max_len]
-        mask = torch.zeros(masked.shape, dtype=dtype, device=lens.device).masked_fill_(masked, float("-inf"))
-        meta.decode_mask = mask[None, :, None, :]  # [1, num_decodes, 1, max_len]
-    return meta.decode_mask
+    meta.block_size = block_size
+    meta.decode_tables = block_tables
+    meta.decode_lens = context_lens
+    meta.decode_windows = {}
 
 
 def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -111,64 +193,105 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    `sliding_window`: this layer's window in tokens (None: global attention).
 
     Returns [num_tokens, num_heads, head_dim].
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
+    view = _decode_view(meta, sliding_window) if nd else None
     if nd and not meta.prefills:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, view, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, view, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, sliding_window)
     return out
 
 
+def _decode_view(meta: AttentionMetadata, sliding_window: int | None) -> DecodeView:
+    if sliding_window and max(meta.decode_lens) > sliding_window:
+        return meta.window_view(sliding_window)
+    # Every context fits in the window (or a global layer): the full view, built once per step.
+    view = meta.decode_windows.get(0)
+    if view is None:
+        view = meta.decode_windows[0] = DecodeView(meta.decode_block_ids, meta.decode_max_blocks,
+                                                   meta.decode_context_lens, None, meta.decode_needs_mask)
+    return view
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      view: DecodeView, scale: float) -> torch.Tensor:
     if q.device.type == "cpu":
-        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids,
-                                                 meta.decode_max_blocks, meta.decode_context_lens, scale)
+        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
+                                                 view.context_lens, scale, view.context_starts)
         if out is not None:
             return out
-    return decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    return decode_view_attention_torch(q, k_cache, v_cache, view, scale)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The reference decode path: gather the live blocks, then one batched SDPA call."""
+    if sliding_window is None and not meta.decode_lens:  # metadata built by hand (tests)
+        view = DecodeView(meta.decode_block_ids, meta.decode_max_blocks, meta.decode_context_lens, None,
+                          meta.decode_needs_mask)
+    else:
+        view = _decode_view(meta, sliding_window)
+    return decode_view_attention_torch(q, k_cache, v_cache, view, scale)
+
+
+def decode_view_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                view: DecodeView, scale: float) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
-    kd = gather_blocks(k_cache, meta.decode_block_ids, num_seqs)  # [kv_heads, seqs, T, head_dim]
-    vd = gather_blocks(v_cache, meta.decode_block_ids, num_seqs)
+    kd = gather_blocks(k_cache, view.block_ids, num_seqs)  # [kv_heads, seqs, T, head_dim]
+    vd = gather_blocks(v_cache, view.block_ids, num_seqs)
     # Heads h = j * group + i share KV head j (transformers' repeat_kv order).
     qd = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, seqs, group, head_dim]
-    mask = _decode_mask(meta, kd.shape[2], q.dtype)
+    mask = _view_mask(view, kd.shape[2], q.dtype)
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
     return od.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
+def _view_mask(view: DecodeView, max_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if view.needs_mask and view.mask is None:
+        lens = view.context_lens
+        rows = torch.arange(max_len, device=lens.device)[None, :]
+        masked = rows >= lens[:, None]  # [num_decodes, max_len]
+        if view.context_starts is not None:
+            masked |= rows < view.context_starts[:, None]
+        mask = torch.zeros(masked.shape, dtype=dtype, device=lens.device).masked_fill_(masked, float("-inf"))
+        view.mask = mask[None, :, None, :]  # [1, num_decodes, 1, max_len]
+    return view.mask
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+                       v_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+                       sliding_window: int | None) -> torch.Tensor:
     qp = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+    window = sliding_window if sliding_window and sliding_window < chunk.context_len else None
     if chunk.is_whole_prompt:
         # Nothing cached before this chunk: attend to the fresh K/V directly.
         kp = k.transpose(0, 1).unsqueeze(0)
         vp = v.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        if window is None and not chunk.spans:
+            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+        mask = chunk.mask(window, 0, q.device)
     else:
         ctx = chunk.context_len
-        kp = gather_blocks(k_cache, chunk.block_table, 1).transpose(0, 1)[:, :, :ctx]
-        vp = gather_blocks(v_cache, chunk.block_table, 1).transpose(0, 1)[:, :, :ctx]
-        offset = ctx - chunk.query_len
-        q_pos = torch.arange(chunk.query_len, device=q.device)[:, None] + offset
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = (k_pos <= q_pos)[None, None]  # [1, 1, query_len, context_len]
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+        bs = k_cache.shape[2]
+        first = chunk.first_key(window, bs)  # blocks before the first query's window: not read
+        table = chunk.block_table[first // bs:-(-ctx // bs)]
+        kp = gather_blocks(k_cache, table, 1).transpose(0, 1)[:, :, :ctx - first]
+        vp = gather_blocks(v_cache, table, 1).transpose(0, 1)[:, :, :ctx - first]
+        mask = chunk.mask(window, first, q.device)  # [1, 1, query_len, ctx - first]
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
     return op[0].transpose(0, 1)

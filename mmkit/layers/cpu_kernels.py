@@ -128,7 +128,7 @@ def _build() -> Path:
 
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "mmkit_paged_decode_attention": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64,
+    "mmkit_paged_decode_attention": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                       _I64, _I64, _I64, _FLOAT, _INT, _INT], _INT),
     "mmkit_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
     "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
@@ -178,12 +178,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_ids: torch.Tensor, max_blocks: int, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor | None:
+                           scale: float, context_starts: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention read in place from the paged cache; None when the kernel cannot run.
 
     q: [num_seqs, num_heads, head_dim] (rows may be strided, heads dense); caches:
     [kv_heads, num_blocks, block_size, head_dim]; block_ids: [num_seqs * max_blocks] int64;
-    context_lens: [num_seqs] int64. Returns [num_seqs, num_heads, head_dim].
+    context_lens: [num_seqs] int64 (rows of the listed blocks, the new token included);
+    context_starts: [num_seqs] int64, the first row attended (a sliding window), or None (0).
+    Returns [num_seqs, num_heads, head_dim].
     """
     lib = library()
     if lib is None or not supports(q, k_cache) or not v_cache.is_contiguous():
@@ -192,9 +194,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     block_ids = block_ids.contiguous()
     context_lens = context_lens.contiguous()
+    starts_ptr = None
+    if context_starts is not None:
+        context_starts = context_starts.contiguous()
+        starts_ptr = context_starts.data_ptr()
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
     status = lib.mmkit_paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), num_seqs, num_heads, kv_heads,
+                block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), starts_ptr, num_seqs, num_heads, kv_heads,
                 head_dim, num_blocks, block_size, scale, _DTYPES[q.dtype], torch.get_num_threads())
     if status == _OUT_OF_BOUNDS:
         raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks) or a context length "

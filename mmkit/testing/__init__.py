@@ -34,6 +34,10 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "vision_feature_layer": -1, "tie_word_embeddings": True}),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2"}),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2.5"}),
+    "Mistral3ForConditionalGeneration": ("mistral3", "build_tiny_mistral3", {}),
+    "Idefics3ForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "idefics3"}),
+    "SmolVLMForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "smolvlm"}),
+    "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
 }
 
 
@@ -57,7 +61,9 @@ def __getattr__(name: str) -> Any:
     # The other families' builders load lazily (importing this package stays cheap).
     lazy = {"build_tiny_anyres": "llava_next", "PINPOINTS": "llava_next",
             "build_tiny_qwen2_vl": "qwen2_vl", "rewrite_qwen_hub_layout": "qwen2_vl",
-            "build_qwen_tokenizer": "qwen2_vl"}
+            "build_qwen_tokenizer": "qwen2_vl", "build_tiny_mistral3": "mistral3",
+            "rewrite_mistral3_hub_layout": "mistral3", "build_tiny_idefics3": "idefics3",
+            "rewrite_idefics3_hub_layout": "idefics3"}
     if name in lazy:
         return getattr(importlib.import_module(f"mmkit.testing.{lazy[name]}"), name)
     raise AttributeError(f"module 'mmkit.testing' has no attribute {name!r}")

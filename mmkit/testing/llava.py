@@ -34,14 +34,17 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 384):
+def build_tokenizer(out_dir: Path, vocab_size: int = 384, special_tokens: list[str] | None = None,
+                    extra_special_tokens: dict[str, str] | None = None):
+    """A byte-level BPE trained on a small corpus; `special_tokens` (default LLaVA's) come first
+    and `extra_special_tokens` become the tokenizer's named attributes (e.g. `image_token`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens or SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     bos = tok.token_to_id("<s>")
@@ -49,7 +52,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384):
                                                        special_tokens=[("<s>", bos)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", pad_token="<pad>",
-                                   extra_special_tokens={"image_token": "<image>"})
+                                   extra_special_tokens=extra_special_tokens or {"image_token": "<image>"})
     fast.save_pretrained(out_dir)
     return fast
 
@@ -142,10 +145,12 @@ def hub_key(key: str) -> str:
     return key
 
 
-def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
+def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2, key_fn=None,
+                       dtype: torch.dtype = torch.float16, transformers_version: str = "4.45.0.dev0") -> Path:
     """The same weights the way llava-hf repos on the hub store them (saved by transformers
     4.x): `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.*`,
-    `rope_theta` in the text config, fp16, sharded with an index."""
+    `rope_theta` in the text config, fp16, sharded with an index. Another family passes its
+    own hub key names (`key_fn`, default `hub_key`), dtype and writer version."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -158,7 +163,7 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    renamed = {hub_key(key): tensor.to(torch.float16).contiguous() for key, tensor in state.items()}
+    renamed = {(key_fn or hub_key)(key): tensor.to(dtype).contiguous() for key, tensor in state.items()}
     keys = sorted(renamed)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}
@@ -174,8 +179,8 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) ->
             text["rope_theta"] = rope["rope_theta"]
         text.pop("rope_scaling", None)
         text.pop("dtype", None)
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.pop("dtype", None)
-    config["transformers_version"] = "4.45.0.dev0"
+    config["transformers_version"] = transformers_version
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

@@ -84,7 +84,11 @@ class ModelRunner:
             state = c.state
             if (state.params.prompt_logprobs is not None and state.num_output_tokens == 0
                     and state.sample_index == 0):
-                prompt_lp[state.seq_id] = (c.start, self._chunk_logprobs(hidden[row:row + c.num_new_tokens]))
+                # Rows before prompt_logprobs_start - 1 score positions nobody asked for.
+                first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
+                if first < c.end:
+                    lo = row + first - c.start
+                    prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
             row += c.num_new_tokens
             state.num_computed_tokens = c.end
             if not c.samples:
@@ -130,7 +134,7 @@ class ModelRunner:
                 block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
-                pending_forks=list(d.pending_forks))
+                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks))
             if old is not None:  # a rebuild: per-sequence sampler objects carry over
                 state.sampler_state = old.sampler_state
             else:
@@ -187,10 +191,11 @@ class ModelRunner:
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            spans = tuple((lo, lo + n) for lo, n in state.bidirectional_ranges if lo < end and lo + n > start)
             prefills.append(PrefillChunk(len(ids) - (end - start), end - start, end,
-                                         torch.tensor(table, dtype=torch.long).to(self.device)))
+                                         torch.tensor(table, dtype=torch.long).to(self.device), spans))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills, block_size=bs)
         if decode_tables:
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta

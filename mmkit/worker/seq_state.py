@@ -30,6 +30,7 @@ class CachedSeqState:
     encoder_keys: tuple[str, ...] = ()
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens]
     mrope_position_delta: int = 0
+    bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans of the prompt
     pending_forks: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, seed)
     # Per-sequence objects of sampler-side features (e.g. a grammar matcher), by feature name;
     # kept when the state is rebuilt (after a preemption or a failed step), dropped with it.

@@ -7,6 +7,10 @@
  * float32 scratch, the `group` query heads sharing that KV head are scored against it, and
  * likewise for V. Scores for the whole context are kept (exact softmax in two passes, float32
  * throughout); a decode token's context is at most max_model_len, so the scratch stays small.
+ *
+ * Sliding-window layers pass `context_starts`: sequence s attends rows [start_s, len_s) of its
+ * listed blocks (the caller lists only the blocks that overlap the window, so blocks entirely
+ * before it are never touched); NULL means every row from 0.
  */
 #include <math.h>
 #include <stdint.h>
@@ -67,21 +71,23 @@ typedef struct {
     const int64_t *block_ids;
     int64_t max_blocks;
     const int64_t *context_lens;
+    const int64_t *context_starts; /* NULL: every context starts at row 0 */
     int64_t num_heads, num_kv_heads, num_blocks, block_size;
     float scale;
 } Problem;
 
-/* Context rows [0, len) of one KV head, gathered block by block into dense float32 rows
- * (`dst`, [len, head_dim]; L2-resident scratch): each cache row is read from memory once, and the
- * `group` query heads then stream the dense copy. */
+/* Context rows [start, len) of one KV head, gathered block by block into dense float32 rows
+ * (`dst`, [len - start, head_dim]; L2-resident scratch): each cache row is read from memory once,
+ * and the `group` query heads then stream the dense copy. */
 static inline __attribute__((always_inline)) void load_context(float *restrict dst, const void *cache,
-                                                                const int64_t *table, int64_t len,
+                                                                const int64_t *table, int64_t start, int64_t len,
                                                                 int64_t first_block_row, int64_t block_size,
                                                                 const int64_t head_dim, const int dtype) {
-    for (int64_t b = 0, t = 0; t < len; b++) {
-        const int64_t first = (first_block_row + table[b]) * block_size;
-        const int64_t n = len - t < block_size ? len - t : block_size;
-        for (int64_t i = 0; i < n; i++) load_row(dst + (t + i) * head_dim, cache, first + i, head_dim, dtype);
+    for (int64_t t = start; t < len;) {
+        const int64_t b = t / block_size, off = t % block_size;
+        const int64_t first = (first_block_row + table[b]) * block_size + off;
+        const int64_t n = len - t < block_size - off ? len - t : block_size - off;
+        for (int64_t i = 0; i < n; i++) load_row(dst + (t - start + i) * head_dim, cache, first + i, head_dim, dtype);
         t += n;
     }
 }
@@ -94,13 +100,14 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     const int64_t group = p->num_heads / p->num_kv_heads;
     const int64_t max_len = p->max_blocks * p->block_size;
     const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
-    const int64_t len = p->context_lens[s];
+    const int64_t start = p->context_starts ? p->context_starts[s] : 0;
+    const int64_t len = p->context_lens[s] - start; /* rows attended */
     const int64_t *table = p->block_ids + s * p->max_blocks;
     const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
     const char *qrow = (const char *)p->q + s * p->q_row_stride * elem;
 
-    /* Pass 1: scores[g, t] = scale * q_g . k_t */
-    load_context(rows, p->k_cache, table, len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
+    /* Pass 1: scores[g, t] = scale * q_g . k_(start + t) */
+    load_context(rows, p->k_cache, table, start, start + len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
         /* heads h = kvh * group + g share KV head kvh (transformers' repeat_kv order) */
         float qg[head_dim];
@@ -119,7 +126,7 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     float sums[group];
     softmax_numerators(scores, group, max_len, len, sums);
     /* Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt */
-    load_context(rows, p->v_cache, table, len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
+    load_context(rows, p->v_cache, table, start, start + len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
         const float *sg = scores + g * max_len;
         float acc[head_dim];
@@ -210,6 +217,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     const int64_t group = p->num_heads / p->num_kv_heads;
     const int64_t max_len = p->max_blocks * p->block_size;
     const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
+    const int64_t start = p->context_starts ? p->context_starts[s] : 0;
     const int64_t len = p->context_lens[s];
     const int64_t *table = p->block_ids + s * p->max_blocks;
     const int64_t first_row = kvh * p->num_blocks;
@@ -222,12 +230,14 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     }
     const int64_t row_bytes = head_dim * elem;
     /* Pass 1: scores */
-    prefetch_chunk(p->k_cache, table, 0, len < 16 ? len : 16, first_row, p->block_size, row_bytes);
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    /* Rows t0 in [start, len); scores and softmax index them from 0 (t0 - start). */
+    const int64_t first_n = len - start < 16 ? len - start : 16;
+    prefetch_chunk(p->k_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+    for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        else prefetch_chunk(p->v_cache, table, 0, len < 16 ? len : 16, first_row, p->block_size, row_bytes);
+        else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
         load_chunk(rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
             __m512 q[NC];
@@ -239,21 +249,21 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
                     for (int c = 0; c < NC; c++) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(rows + i * head_dim + 16 * c), a);
                 part[i] = a;
             }
-            _mm512_mask_storeu_ps(scores + g * max_len + t0, (__mmask16)((1u << n) - 1u), reduce16(part));
+            _mm512_mask_storeu_ps(scores + g * max_len + (t0 - start), (__mmask16)((1u << n) - 1u), reduce16(part));
         }
     }
     /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    softmax_numerators(scores, group, max_len, len, sums);
+    softmax_numerators(scores, group, max_len, len - start, sums);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (ahead > 0) prefetch_chunk(p->v_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
         load_chunk(rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
-            const float *sg = scores + g * max_len + t0;
+            const float *sg = scores + g * max_len + (t0 - start);
             __m512 a[NC];
             for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(acc_all + g * head_dim + 16 * c);
             for (int64_t i = 0; i < n; i++) {
@@ -294,10 +304,11 @@ int mmkit_paged_decode_attention(
     const void *k_cache, const void *v_cache,
     const int64_t *block_ids,    /* [num_seqs, max_blocks], row-major */
     int64_t max_blocks,
-    const int64_t *context_lens, /* [num_seqs], tokens attended (including the new one) */
+    const int64_t *context_lens, /* [num_seqs], tokens of the listed blocks up to the new one (included) */
+    const int64_t *context_starts, /* [num_seqs] first attended row, or NULL (row 0) */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads) {
-    const Problem p = {out, q, q_row_stride, k_cache, v_cache, block_ids, max_blocks, context_lens,
+    const Problem p = {out, q, q_row_stride, k_cache, v_cache, block_ids, max_blocks, context_lens, context_starts,
                        num_heads, num_kv_heads, num_blocks, block_size, scale};
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_items = num_seqs * num_kv_heads;
@@ -308,6 +319,7 @@ int mmkit_paged_decode_attention(
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t len = context_lens[s];
         if (len < 1 || len > max_blocks * block_size) return 2;
+        if (context_starts && (context_starts[s] < 0 || context_starts[s] >= len)) return 2;
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
             const int64_t id = block_ids[s * max_blocks + b];
             if (id < 0 || id >= num_blocks) return 2;

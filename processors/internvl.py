@@ -1,0 +1,141 @@
+"""InternVL `-HF` input processing with the checkpoint's own `InternVLProcessor`.
+
+Up front (cheap, every prompt of a call before any is added): the tile count of each image for
+its size and tiling options (`min_patches`, `max_patches`, `crop_to_patches`; engine-wide and per
+request through `mm_processor_kwargs`) from the processor's own `_get_num_multimodal_tokens`,
+and each `<IMG_CONTEXT>` placeholder expanded as the processor expands it:
+`<img>` + tiles * image_seq_length `<IMG_CONTEXT>` + `</img>` (only the context tokens are the
+item's placeholder range). The options are written into the item's `layout`, so they are part
+of its content hash (encoder cache and prefix-cache keys). At scheduling time the image
+processor cuts the image into tiles, `pixel_values [tiles, 3, S, S]`, and the tile count is
+checked against the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Mapping
+
+from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.models.internvl import tokens_per_tile
+from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.llava import LlavaInputProcessor
+
+ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": int, "max_patches": int, "crop_to_patches": bool}
+_LAYOUT_PREFIX = "internvl_tiling="
+
+
+def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"{where}: got {type(kwargs).__name__}; expected a dict like {{'max_patches': 6}}")
+    unknown = [k for k in kwargs if k not in ALLOWED_MM_PROCESSOR_KWARGS]
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; expected only {list(ALLOWED_MM_PROCESSOR_KWARGS)}")
+    for key, value in kwargs.items():
+        kind = ALLOWED_MM_PROCESSOR_KWARGS[key]
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        if not ok:
+            raise ValueError(f"{where}['{key}']: got {value!r}; expected "
+                             f"{'True or False' if kind is bool else 'a positive integer'}")
+    if kwargs.get("min_patches", 1) > kwargs.get("max_patches", float("inf")):
+        raise ValueError(f"{where}: got min_patches={kwargs['min_patches']} > max_patches={kwargs['max_patches']}; "
+                         "expected min_patches <= max_patches")
+    return dict(kwargs)
+
+
+class InternVLInputProcessor(LlavaInputProcessor):
+    """`InputProcessor` of InternVL: size- and option-dependent tile counts, `<img>...</img>` runs."""
+
+    def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
+        default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, None)
+        hf = self.hf_processor
+        if hf is None or not hasattr(hf, "_get_num_multimodal_tokens"):
+            raise ValueError(f"model: {model_config.architecture} needs the checkpoint's processor "
+                             f"(processor_config.json and the tokenizer files) in {model_config.path!r}")
+        self.default_kwargs = default_kwargs
+        self.tokens_per_tile = tokens_per_tile(model_config.hf_config)
+        if hf.image_seq_length != self.tokens_per_tile:
+            raise ValueError(f"model: the processor's image_seq_length is {hf.image_seq_length} but the model "
+                             f"gives {self.tokens_per_tile} rows per tile; expected them equal")
+        self.start_id, self.end_id = hf.start_image_token_id, hf.end_image_token_id
+
+    def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
+        where = f"inputs[{parsed.index}]"
+        kwargs = {**self.default_kwargs,
+                  **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        layout = _LAYOUT_PREFIX + json.dumps(kwargs, sort_keys=True) if kwargs else ""
+        tagged = replace(parsed, images=[replace(item, layout=layout) for item in parsed.images],
+                         mm_processor_kwargs=None)
+        processed = super().process(tagged)
+        processed.mm_processor_kwargs = kwargs
+        return processed
+
+    def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
+        if parsed.image_embeds is not None:  # given embeddings fix their own token count
+            return [int(parsed.image_embeds.shape[1])] * parsed.num_images
+        return [self.num_tiles(item) * self.tokens_per_tile for item in parsed.images]
+
+    def num_tiles(self, item: ImageItem) -> int:
+        counts = self.hf_processor._get_num_multimodal_tokens(image_sizes=[(item.height, item.width)],
+                                                              **_tiling(item))
+        return int(counts["num_image_patches"][0])
+
+    def _expand(self, where: str, ids: list[int], counts: list[int],
+                allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:
+        """The parent's expansion, then `<img>` / `</img>` around every run it expanded from a
+        single placeholder (as InternVLProcessor writes it, always for a text prompt); a run
+        of a token-id prompt already between `<img>` and `</img>` is kept as given."""
+        expanded, ranges = super()._expand(where, ids, counts, allow_expanded)
+        if not ranges:
+            return expanded, ranges
+        out: list[int] = []
+        shifted: list[PlaceholderRange] = []
+        pos = 0
+        for offset, length in ranges:
+            wrap = not allow_expanded or not (offset > 0 and expanded[offset - 1] == self.start_id
+                        and offset + length < len(expanded) and expanded[offset + length] == self.end_id)
+            out.extend(expanded[pos:offset])
+            if wrap:
+                out.append(self.start_id)
+            shifted.append(PlaceholderRange(len(out), length))
+            out.extend(expanded[offset:offset + length])
+            if wrap:
+                out.append(self.end_id)
+            pos = offset + length
+        out.extend(expanded[pos:])
+        return out, shifted
+
+    def _check_embeds(self, where: str, embeds) -> None:
+        hidden = self.model_config.hidden_size
+        if embeds.ndim != 3 or embeds.shape[2] != hidden or embeds.shape[1] % self.tokens_per_tile:
+            raise ValueError(
+                f"{where}.multi_modal_data: got image embeddings of shape {tuple(embeds.shape)}; expected "
+                f"[N, tiles * {self.tokens_per_tile}, {hidden}] (tiles * image_seq_length, hidden_size)")
+
+    def _placeholder_name(self) -> str:
+        return self.hf_processor.image_token
+
+    # ------------------------------------------------------------------ at scheduling time
+    def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
+        """One image -> {"pixel_values": [tiles, 3, S, S]} with the item's tiling options."""
+        options = self.hf_processor._merge_kwargs(self.hf_processor.valid_processor_kwargs,
+                                                  tokenizer_init_kwargs=self.tokenizer.init_kwargs,
+                                                  **_tiling(item))["images_kwargs"]
+        out = self.image_processor(images=[item.to_pil().convert("RGB")], return_tensors="pt", **options)
+        tiles = int(out["num_patches"][0])
+        if tiles != self.num_tiles(item):
+            raise ValueError(f"{item.where}: the image processor cut {tiles} tiles where {self.num_tiles(item)} "
+                             f"were predicted; refusing to misalign the placeholders")
+        return {"pixel_values": out["pixel_values"]}
+
+
+def _tiling(item: ImageItem) -> dict[str, Any]:
+    """The tiling options an item was tagged with in `process`."""
+    return json.loads(item.layout[len(_LAYOUT_PREFIX):]) if item.layout.startswith(_LAYOUT_PREFIX) else {}
