@@ -11,9 +11,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("mmkit.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("mmkit.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
 }
 # Families whose own module fixes the decoder and vision tower (no per-part check below).
-_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                   "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
 # HF model_type of text_config -> the mmkit decoder that computes it exactly.
 _TEXT_MODELS: dict[str, tuple[str, str]] = {
     "llama": ("mmkit.models.llama", "LlamaModel"),
@@ -28,7 +31,8 @@ SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
 # An old config without `architectures` is resolved by its model_type.
 _BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                   "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def supported_architectures() -> list[str]:

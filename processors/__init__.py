@@ -17,6 +17,8 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "LlavaOnevisionForConditionalGeneration": ("mmkit.processors.llava_next", "LlavaOnevisionInputProcessor"),
     "Qwen2VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
     "Qwen2_5_VLForConditionalGeneration": ("mmkit.processors.qwen2_vl", "Qwen2VLInputProcessor"),
+    "Qwen3VLForConditionalGeneration": ("mmkit.processors.qwen3_vl", "Qwen3VLInputProcessor"),
+    "Qwen3VLMoeForConditionalGeneration": ("mmkit.processors.qwen3_vl", "Qwen3VLInputProcessor"),
 }
 
 

@@ -31,6 +31,8 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "LlavaOnevisionForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_onevision"}),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2"}),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2.5"}),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": False}),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
 }
 
 
