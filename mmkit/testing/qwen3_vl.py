@@ -78,3 +78,42 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
                                     video_processor=video_processor, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out)
     return out
+
+
+def rewrite_qwen3_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
+    """The same weights as the Qwen3-VL repos on the hub store them (saved by transformers
+    4.57): sharded with an index, bf16-free config fields in their 4.x names (`rope_scaling`,
+    `rope_theta` in the text config) and, for MoE, the experts transposed to `[E, H, 2I]` /
+    `[E, I, H]`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    state = {k: (v.transpose(1, 2) if ".mlp.experts." in k else v).contiguous() for k, v in state.items()}
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(num_shards):
+        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({k: state[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys[i::num_shards]})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    text = config["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope
+    for part in (text, config["vision_config"]):
+        part.pop("dtype", None)
+    config.pop("dtype", None)
+    config.update(torch_dtype="float32", transformers_version="4.57.0")
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
