@@ -23,7 +23,9 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
                         max_pixels: int = 16 * 16 * 16, video_fps: float = 12.0, num_experts: int = 8,
                         num_experts_per_tok: int = 2, mlp_only_layers: tuple[int, ...] = (1,),
                         tie_word_embeddings: bool = False, max_position_embeddings: int = 2048,
-                        init_std: float = 0.08, tokenizer=None) -> Path:
+                        init_std: float = 0.08, intermediate: int | None = None, vision_heads: int = 4,
+                        vision_intermediate: int | None = None, num_position_embeddings: int = 64,
+                        mrope_section: list[int] | None = None, tokenizer=None) -> Path:
     """Save a random Qwen3-VL (`moe=False`) or Qwen3-VL-MoE (`moe=True`) with its processor.
 
     One image token covers (2 * patch_size)^2 pixels; min/max_pixels bound the resized image;
@@ -38,8 +40,8 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
         tokenizer.save_pretrained(out)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     half = head_dim // 2  # interleaved M-RoPE: sections of the head_dim / 2 frequencies
-    section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+    section = mrope_section or [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
                 num_hidden_layers=text_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                 head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": section,
@@ -50,9 +52,9 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
     if moe:
         text.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=hidden // 2 - 8,
                     decoder_sparse_step=1, mlp_only_layers=list(mlp_only_layers))
-    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_dim * 2, num_heads=4,
-                  out_hidden_size=hidden, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=64, deepstack_visual_indexes=list(deepstack_visual_indexes),
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_intermediate or vision_dim * 2,
+                  num_heads=vision_heads, out_hidden_size=hidden, patch_size=patch_size, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=num_position_embeddings, deepstack_visual_indexes=list(deepstack_visual_indexes),
                   initializer_range=init_std)
     common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
