@@ -166,3 +166,14 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         with pytest.raises(exc, match=match):
             llm.generate([ok, item], greedy(4), use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_uses_the_checkpoint_template(ckpt):
+    llm = LLM(str(ckpt), dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "video", "video": FRAMES},
+                                             {"type": "text", "text": "Describe this video."}]}]
+    out = llm.chat(messages, greedy(8), use_tqdm=False)[0]
+    _, processor = _hf(str(ckpt))
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert list(out.prompt_token_ids) == hf_inputs(ckpt, prompt, videos=FRAMES)["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == hf_greedy(ckpt, prompt, videos=FRAMES)[:8]
