@@ -7,13 +7,11 @@ per-request / engine mm_processor_kwargs, and in the hub layout; bad inputs fail
 from __future__ import annotations
 
 import json
-from functools import lru_cache
-
 import pytest
 import torch
 
 from conftest import make_image
-from qwen_ref import P_2IMG, P_IMG, P_IMG_VID, P_VID
+from qwen_ref import P_2IMG, P_IMG, P_IMG_VID, P_VID, hf_inputs, hf_qwen
 from mmkit import LLM, SamplingParams
 from mmkit.testing import build_tiny_checkpoint
 from mmkit.testing.qwen3_vl import rewrite_qwen3_hub_layout
@@ -32,28 +30,6 @@ def greedy(max_tokens=N, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-@lru_cache(maxsize=2)
-def _hf(path: str):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(), AutoProcessor.from_pretrained(path)
-
-
-def hf_inputs(path, prompt, images=None, videos=None, mm_kwargs=None):
-    _, processor = _hf(str(path))
-    kwargs = {}
-    mm_kwargs = dict(mm_kwargs or {})
-    if "fps" in mm_kwargs:
-        kwargs["fps"] = mm_kwargs.pop("fps")
-    if mm_kwargs:
-        size = dict(processor.image_processor.size)
-        size["shortest_edge"] = mm_kwargs.get("min_pixels", size["shortest_edge"])
-        size["longest_edge"] = mm_kwargs.get("max_pixels", size["longest_edge"])
-        kwargs["size"] = size
-    return processor(text=[prompt], images=images, videos=[videos] if videos is not None else None,
-                     return_tensors="pt", **kwargs)
-
-
 _REFS: dict = {}
 
 
@@ -61,7 +37,7 @@ def hf_greedy(path, prompt, images=None, videos=None, mm_kwargs=None, input_ids=
     """transformers' greedy ids, exactly N tokens (mmkit runs with ignore_eos)."""
     key = (str(path), prompt, id(images), id(videos), json.dumps(mm_kwargs), tuple(input_ids or ()))
     if key not in _REFS:
-        model, _ = _hf(str(path))
+        model, _ = hf_qwen(str(path))
         if input_ids is not None:
             inputs = {"input_ids": torch.tensor([input_ids]), "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
         else:
@@ -173,7 +149,7 @@ def test_chat_uses_the_checkpoint_template(ckpt):
     messages = [{"role": "user", "content": [{"type": "video", "video": FRAMES},
                                              {"type": "text", "text": "Describe this video."}]}]
     out = llm.chat(messages, greedy(8), use_tqdm=False)[0]
-    _, processor = _hf(str(ckpt))
+    _, processor = hf_qwen(str(ckpt))
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert list(out.prompt_token_ids) == hf_inputs(ckpt, prompt, videos=FRAMES)["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == hf_greedy(ckpt, prompt, videos=FRAMES)[:8]

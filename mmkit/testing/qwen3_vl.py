@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer
+from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer, save_sharded
 
 
 def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False, text_layers: int = 3,
@@ -90,7 +90,7 @@ def rewrite_qwen3_hub_layout(src: str | Path, dst: str | Path, num_shards: int =
     import json
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -101,13 +101,7 @@ def rewrite_qwen3_hub_layout(src: str | Path, dst: str | Path, num_shards: int =
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(str(f)))
     state = {k: (v.transpose(1, 2) if ".mlp.experts." in k else v).contiguous() for k, v in state.items()}
-    keys = sorted(state)
-    weight_map = {}
-    for i in range(num_shards):
-        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: state[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys[i::num_shards]})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_sharded(state, dst, num_shards)
     config = json.loads((src / "config.json").read_text())
     text = config["text_config"]
     rope = text.pop("rope_parameters")
