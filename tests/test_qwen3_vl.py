@@ -153,3 +153,24 @@ def test_chat_uses_the_checkpoint_template(ckpt):
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert list(out.prompt_token_ids) == hf_inputs(ckpt, prompt, videos=FRAMES)["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == hf_greedy(ckpt, prompt, videos=FRAMES)[:8]
+
+
+def test_bf16_agrees_with_transformers_bf16(ckpt):
+    """bf16 (C kernels on CPU, experts in bf16) against transformers' own bf16 generate: equal
+    ids up to the first step where transformers' own top-2 bf16 logits are a near-tie (within
+    two bf16 ulps), where equally valid rounding may pick either."""
+    llm = LLM(str(ckpt), dtype="bfloat16")
+    model, _ = hf_qwen(str(ckpt), torch.bfloat16)
+    for prompt, images in [("Write a haiku about the sea.", None), (P_IMG, [IMG1])]:
+        inp = {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+        got = list(llm.generate(inp, greedy(16), use_tqdm=False)[0].outputs[0].token_ids)
+        ref_in = hf_inputs(ckpt, prompt, images)
+        with torch.no_grad():
+            ref = model.generate(**ref_in, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+        want = ref.sequences[0, ref_in["input_ids"].shape[1]:].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is not None:
+            top = ref.scores[first][0].float().topk(2).values
+            ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)
+            assert top[0] - top[1] <= 2 * ulp, (prompt, first, top.tolist())
