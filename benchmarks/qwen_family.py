@@ -1,5 +1,11 @@
-"""`--family qwen2_vl` of the side-by-side benchmarks: a Qwen2-VL-2B-shaped random checkpoint,
-its prompts and transformers' Qwen2VLForConditionalGeneration in left-padded static batches.
+"""`--family qwen2_vl` / `qwen3_vl` of the side-by-side benchmarks: a Qwen2-VL-2B- or
+Qwen3-VL-2B-shaped random checkpoint, its prompts and transformers' own model class in
+left-padded static batches.
+
+Qwen3-VL-2B's shape: decoder hidden 2048, 16 heads, 8 KV heads, head_dim 128, MLP 6144, tied,
+interleaved M-RoPE 24/20/20; vision hidden 1024, 16 heads, MLP 4096, patch 16, 2x2 merge,
+48x48 learned positions, DeepStack from 3 vision layers (here the first three of the cut
+tower). Images of 224x224 are 7x7 = 49 tokens there.
 
 The checkpoint: Qwen2-VL-2B's decoder shape (hidden 1536, 12 heads, 2 KV heads, MLP 8960,
 tied embeddings, vocab 151936, M-RoPE sections 16/24/24) and vision shape (embed 1280, 16
@@ -64,6 +70,21 @@ def build_bench_qwen2_vl(num_layers: int, vision_depth: int) -> str:
     return str(out)
 
 
+def build_bench_qwen3_vl(num_layers: int, vision_depth: int) -> str:
+    from mmkit.testing.qwen3_vl import build_tiny_qwen3_vl
+
+    out = ROOT / ".cache" / f"bench-qwen3vl-{num_layers}l-{vision_depth}v"
+    if not (out / "config.json").exists():
+        build_tiny_qwen3_vl(out, seed=0, text_layers=num_layers, hidden=2048, num_heads=16, num_kv_heads=8,
+                            head_dim=128, intermediate=6144, vision_depth=vision_depth, vision_dim=1024,
+                            vision_heads=16, vision_intermediate=4096, patch_size=16,
+                            num_position_embeddings=2304, deepstack_visual_indexes=tuple(range(min(3, vision_depth))),
+                            min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 1280, tie_word_embeddings=True,
+                            max_position_embeddings=4096, init_std=0.02, mrope_section=[24, 20, 20],
+                            tokenizer=build_full_vocab_qwen_tokenizer())
+    return str(out)
+
+
 def _ids(r: common.Request) -> list[int]:
     return [t if t >= FIRST_TEXT_ID else t + FIRST_TEXT_ID for t in r.text_ids]
 
@@ -75,13 +96,13 @@ def mmkit_inputs(reqs: list[common.Request], image_size: int = IMAGE_SIZE) -> li
 
 
 class QwenHFRunner:
-    """transformers' Qwen2VLForConditionalGeneration.generate in left-padded static batches."""
+    """transformers' own class (Qwen2-VL / Qwen3-VL).generate in left-padded static batches."""
 
     def __init__(self, model_dir: str, dtype: str) -> None:
-        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(
+        self.model = AutoModelForImageTextToText.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), local_files_only=True).eval()
         self.dtype = getattr(torch, dtype)
         self.pad_id = self.processor.tokenizer.pad_token_id

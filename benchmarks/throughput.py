@@ -3,6 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/throughput.py --dtype bfloat16 --workload mixed \
         [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json] [--rss]
         [--family qwen2_vl --num-layers 4 --vision-depth 4]   # Qwen2-VL-2B-shaped (qwen_family.py)
+        [--family qwen3_vl --num-layers 4 --vision-depth 4]   # Qwen3-VL-2B-shaped (qwen_family.py)
 
 Workloads: `mixed` / `uniform` (224 px images = 196 image tokens, 16-64 text tokens) and
 `decode-heavy` (96 px images = 36 image tokens, 24-40 text tokens, outputs 8-128).
@@ -175,8 +176,8 @@ def main() -> None:
     p.add_argument("--parity-requests", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
-    p.add_argument("--family", default="llava", choices=["llava", "qwen2_vl"],
-                   help="qwen2_vl: the Qwen2-VL-2B-shaped model of qwen_family.py")
+    p.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen3_vl"],
+                   help="qwen2_vl / qwen3_vl: the Qwen2-VL-2B- / Qwen3-VL-2B-shaped model of qwen_family.py")
     p.add_argument("--vision-depth", type=int, default=4, help="qwen2_vl: vision blocks (the 2B has 32)")
     p.add_argument("--no-async-preprocess", action="store_true",
                    help="mmkit: image processor on the engine thread (async_preprocess=False)")
@@ -190,13 +191,14 @@ def main() -> None:
         run_alone(args, args.only)
         return
     hf_runner = common.HFRunner
-    if args.family == "qwen2_vl":
+    if args.family in ("qwen2_vl", "qwen3_vl"):
         import qwen_family
 
         global mmkit_inputs
         mmkit_inputs, hf_runner = qwen_family.mmkit_inputs, qwen_family.QwenHFRunner
         common.set_threads(args.threads)
-        model_dir = args.model or qwen_family.build_bench_qwen2_vl(args.num_layers, args.vision_depth)
+        build = qwen_family.build_bench_qwen3_vl if args.family == "qwen3_vl" else qwen_family.build_bench_qwen2_vl
+        model_dir = args.model or build(args.num_layers, args.vision_depth)
         # A bounded KV cache (the CPU default is up to 4 GiB): both models already hold a
         # 151936-row embedding, and the machine may be shared.
         size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype, kv_cache_memory=256 << 20)

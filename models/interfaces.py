@@ -112,6 +112,21 @@ class SupportsMRoPE(Protocol):
     uses_mrope: ClassVar[bool]
 
 
+@runtime_checkable
+class SupportsDeepStack(Protocol):
+    """A model that adds vision features to the hidden states of its first decoder layers
+    (Qwen3-VL's DeepStack). Its item embeddings are `[num_tokens, (1 + deepstack_num_layers) *
+    hidden]`: the embedding, then one feature set per layer. The runner widens a step's token
+    embeddings to that width (zeros) whenever the step merges items, so `forward` gets
+    `[num_tokens, hidden]` or the wide form, and splits it."""
+
+    deepstack_num_layers: int
+
+
+def deepstack_num_layers(model: Any) -> int:
+    return int(getattr(model, "deepstack_num_layers", 0))
+
+
 def supports_multimodal(model: Any) -> bool:
     return bool(getattr(model, "supports_multimodal", False))
 

@@ -193,13 +193,14 @@ class LlamaModel(nn.Module):
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, rotary: RotaryEmbedding | None = None) -> None:
+        """`rotary`: a family's own table (Qwen3-VL's interleaved M-RoPE); default from `config`."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.rotary = rotary or RotaryEmbedding(config, max_positions)
 
     def fuse_weights(self) -> None:
         """Concatenate q/k/v and gate/up weights (call once, after loading the checkpoint)."""
@@ -208,12 +209,18 @@ class LlamaModel(nn.Module):
             layer.mlp.fuse_weights()
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:
+        # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens] (or [3, num_tokens] M-RoPE)
+        # deepstack: [num_tokens, L, hidden], added to the hidden states after layer i < L
+        # (DeepStack; zero rows for tokens without vision features).
         x, residual = inputs_embeds, None
         rope = self.rotary.for_positions(positions, x.dtype)  # shared by every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+            if deepstack is not None and i < deepstack.shape[1]:
+                # HF: h = residual + mlp_out, then h + features: the same two roundings.
+                x, residual = (residual + x) + deepstack[:, i], None
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]

@@ -36,13 +36,16 @@ class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
         text = config.text_config
         # NOTE: M-RoPE positions never exceed the token index except for Qwen2.5-VL video
         # temporal rows (t * tokens_per_second * seconds per grid); the table keeps headroom.
-        self.language_model = Qwen2Model(text, 2 * max_positions)
+        self.language_model = self._build_decoder(text, 2 * max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
         # float32 buffers of the tower (rotary inv_freq), kept across the engine's dtype cast.
         self._fp32_buffers = {id(m): {n: b.detach().clone() for n, b in m.named_buffers(recurse=False)
                                       if b.dtype == torch.float32} for m in self.visual.modules()}
+
+    def _build_decoder(self, text, max_positions: int):
+        return Qwen2Model(text, max_positions)
 
     @staticmethod
     def _vision_class():

@@ -14,7 +14,8 @@ import torch
 
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.rotary import StepRope
-from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from mmkit.models.moe import SparseMoeBlock, is_moe_layer
 
 
 class Qwen3Attention(LlamaAttention):
@@ -41,7 +42,19 @@ class Qwen3Model(LlamaModel):
 
     decoder_layer_cls = Qwen3DecoderLayer
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, rotary=None) -> None:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("model: Qwen3 decoders with use_sliding_window=True are not supported")
-        super().__init__(config, max_positions)
+        super().__init__(config, max_positions, rotary)
+
+
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def make_mlp(self, config, layer_idx: int):
+        # transformers' rule (decoder_sparse_step, mlp_only_layers); dense layers use intermediate_size.
+        return SparseMoeBlock(config) if is_moe_layer(config, layer_idx) else LlamaMLP(config)
+
+
+class Qwen3MoeModel(Qwen3Model):
+    """Qwen3 with mixture-of-experts MLPs (HF's `Qwen3MoeModel` / `Qwen3VLMoeTextModel`)."""
+
+    decoder_layer_cls = Qwen3MoeDecoderLayer

@@ -172,4 +172,9 @@ _register("SmolVLMForConditionalGeneration", "mmkit.models.idefics3:SmolVLMForCo
 # InternVL -HF (models/internvl.py, processors/internvl.py)
 _register("InternVLForConditionalGeneration", "mmkit.models.internvl:InternVLForConditionalGeneration",
           processor="mmkit.processors.internvl:InternVLInputProcessor", model_types=("internvl",))
+# Qwen3-VL and Qwen3-VL-MoE (models/qwen3_vl.py, processors/qwen3_vl.py)
+_register("Qwen3VLForConditionalGeneration", "mmkit.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+          processor="mmkit.processors.qwen3_vl:Qwen3VLInputProcessor", model_types=("qwen3_vl",))
+_register("Qwen3VLMoeForConditionalGeneration", "mmkit.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
+          processor="mmkit.processors.qwen3_vl:Qwen3VLInputProcessor", model_types=("qwen3_vl_moe",))
 del _register

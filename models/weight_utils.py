@@ -67,6 +67,11 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
             if not name.endswith(_IGNORED_SUFFIXES):
                 unexpected.append(key)
             continue
+        # A module may accept another layout of its tensor (MoE experts: the hub's transposed one).
+        owner, local_name = holders[id(target)][0]
+        adapt = getattr(owner, "checkpoint_tensor", None)
+        if adapt is not None:
+            tensor = adapt(local_name, tensor)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"model: weight {key!r} has shape {tuple(tensor.shape)} in the checkpoint; the config "

@@ -125,8 +125,7 @@ class Qwen2VLInputProcessor:
         vision = {m: [self._vision_item(f"{where}.multi_modal_data.{m}[{i}]", m, item, kwargs)
                       for i, item in enumerate(items)] for m, items in given.items()}
         ids, ranges, ordered = self._expand(where, ids, vision, allow_expanded=parsed.prompt is None)
-        positions, delta = mrope_positions(len(ids), [
-            MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)])
+        positions, delta = mrope_positions(len(ids), self._mrope_items(ranges, ordered))
         self._check_positions(where, positions, delta, kwargs)
         # NOTE: `images` holds every item (images and videos) in placeholder order: the
         # scheduler pairs item i with range i and hashes it with `VisionItem.content_hash`.
@@ -144,6 +143,13 @@ class Qwen2VLInputProcessor:
         if highest >= limit:
             raise ValueError(f"{where}: M-RoPE positions reach {highest} (mm_processor_kwargs={kwargs}); expected "
                              f"below {limit}: use a larger fps or fewer frames")
+
+    def _mrope_items(self, ranges: list[PlaceholderRange], ordered: list[VisionItem]) -> list[MRopeItem]:
+        return [MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)]
+
+    def _placeholder_ids(self, item: VisionItem) -> list[int]:
+        """The tokens one item's placeholder becomes (its range in the prompt)."""
+        return [self.token_ids[item.modality]] * item.num_tokens
 
     def _merged_grid(self, item: VisionItem) -> tuple[int, int, int]:
         t, h, w = item.grid_thw
@@ -204,7 +210,7 @@ class Qwen2VLInputProcessor:
             item = queue.pop(0)
             ranges.append(PlaceholderRange(len(out), item.num_tokens))
             ordered.append(item)
-            out.extend([ids[i]] * item.num_tokens)
+            out.extend(self._placeholder_ids(item))
             i += run
         if any(queues.values()):
             raise ValueError(self._count_error(where, ids, vision))

@@ -27,6 +27,9 @@ def hf_qwen(path: str, dtype: torch.dtype = torch.float32):
 def hf_inputs(path, prompt, images=None, videos=None, mm_kwargs=None):
     _, processor = hf_qwen(str(path))
     kwargs = {}
+    mm_kwargs = dict(mm_kwargs or {})
+    if "fps" in mm_kwargs and "Qwen3VL" in type(processor).__name__:  # Qwen3-VL: the sampling rate
+        kwargs["fps"] = mm_kwargs.pop("fps")
     if mm_kwargs:
         size = dict(processor.image_processor.size)
         size["shortest_edge"] = mm_kwargs.get("min_pixels", size["shortest_edge"])

@@ -56,7 +56,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, config.model.sliding_window)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
-        row_bytes = config.model.hidden_size * torch.empty((), dtype=config.model.dtype).element_size()
+        # One item-embedding row: hidden, times 1 + DeepStack layers for a `SupportsDeepStack` model.
+        row_bytes = (config.model.hidden_size * self.model_runner.embed_width_factor
+                     * torch.empty((), dtype=config.model.dtype).element_size())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
         if self.prefetcher is not None:
             self.scheduler.preprocess = self.prefetcher

@@ -14,7 +14,9 @@ from mmkit.layers import cpu_kernels
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, text_config, max_positions: int) -> None:
+    def __init__(self, text_config, max_positions: int, mrope_section: list[int] | None = None,
+                 mrope_interleaved: bool = False) -> None:
+        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -34,13 +36,20 @@ class RotaryEmbedding(nn.Module):
         # M-RoPE (Qwen2-VL): frequency i of each half takes its angle from position row
         # mrope_row[i] (0 temporal, 1 height, 2 width), transformers' `mrope_section` split.
         rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        section = mrope_section or (rope.get("mrope_section") if isinstance(rope, dict) else None)
         self.mrope_row: torch.Tensor | None = None
         if section:
             if sum(section) != half:
                 raise ValueError(f"model: mrope_section {section} sums to {sum(section)}; expected head_dim / 2 "
                                  f"= {half}")
-            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            if mrope_interleaved:
+                # Qwen3-VL (transformers' `recomposition_frequencies`): temporal everywhere except
+                # frequencies 1, 4, 7, ... (height, the first 3 * section[1]) and 2, 5, 8, ... (width).
+                rows = torch.zeros(half, dtype=torch.long)
+                rows[1:3 * section[1]:3] = 1
+                rows[2:3 * section[2]:3] = 2
+            else:
+                rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
             self.mrope_row = torch.cat([rows, rows])  # [head_dim]
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRope":

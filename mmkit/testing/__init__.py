@@ -38,6 +38,8 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Idefics3ForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "idefics3"}),
     "SmolVLMForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "smolvlm"}),
     "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": False}),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
 }
 
 

@@ -120,6 +120,21 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
     return out
 
 
+def save_sharded(state: dict, dst: Path, num_shards: int) -> None:
+    """`state` as `num_shards` safetensors files with the hub's index file."""
+    import json
+
+    from safetensors.torch import save_file
+
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(num_shards):
+        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({k: state[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys[i::num_shards]})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
     """The same weights in the layout of the Qwen2-VL repos on the hub (`visual.*`, `model.layers.*`,
     `model.embed_tokens.*`, `lm_head.weight`), sharded with an index, and the hub's config.json
@@ -128,7 +143,7 @@ def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 
     import json
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -145,13 +160,7 @@ def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 
         elif key.startswith("model.language_model."):
             key = "model." + key[len("model.language_model."):]
         renamed[key] = tensor.contiguous()
-    keys = sorted(renamed)
-    weight_map = {}
-    for i in range(num_shards):
-        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: renamed[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys[i::num_shards]})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_sharded(renamed, dst, num_shards)
     config = json.loads((src / "config.json").read_text())
     text = config.pop("text_config")
     rope = text.pop("rope_parameters")

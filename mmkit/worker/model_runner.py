@@ -17,7 +17,8 @@ from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.scheduler_output import SchedulerOutput
-from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices, uses_mrope
+from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
+                                     placeholder_slices, uses_mrope)
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
 from mmkit.worker.model_loader import load_model
@@ -47,6 +48,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
+        self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
         self.sampler = Sampler()
@@ -74,7 +76,7 @@ class ModelRunner:
         if self.uses_mrope:
             positions = self._mrope_positions(order)
         embeds = self.model.embed_tokens(input_ids)
-        self._merge_multimodal(order, embeds)
+        embeds = self._merge_multimodal(order, embeds)
         hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
         sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
@@ -236,8 +238,9 @@ class ModelRunner:
         for key, value in fresh.items():
             store.put(key, value)
 
-    def _merge_multimodal(self, order: list[Chunk], embeds: torch.Tensor) -> None:
-        """Scatter cached item embeddings into the placeholder rows this step computes."""
+    def _merge_multimodal(self, order: list[Chunk], embeds: torch.Tensor) -> torch.Tensor:
+        """Scatter cached item embeddings into the placeholder rows this step computes; a
+        `SupportsDeepStack` model's step embeddings are widened first (zeros) to its item width."""
         items: list[torch.Tensor] = []
         index: dict[str, int] = {}
         slices: list[EmbedSlice] = []
@@ -255,7 +258,11 @@ class ModelRunner:
                         items.append(value)
                     slices.append(replace(sl, item=index[key]))
             row += c.num_new_tokens
-        merge_multimodal_embeddings(embeds, items, slices)
+        if slices and self.embed_width_factor > 1:
+            wide = embeds.new_zeros(embeds.shape[0], embeds.shape[1] * self.embed_width_factor)
+            wide[:, :embeds.shape[1]] = embeds
+            embeds = wide
+        return merge_multimodal_embeddings(embeds, items, slices)
 
     def _mrope_positions(self, order: list[Chunk]) -> torch.Tensor:
         """[3, num_tokens] positions for a `SupportsMRoPE` model: the processor's rows for
