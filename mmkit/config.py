@@ -55,6 +55,9 @@ class ModelConfig:
     # NOTE: mmkit attends to the whole context, so max_model_len is capped at the window: every
     # sequence it accepts is inside the window, where both attentions are the same.
     sliding_window: int | None = None
+    # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
+    # the online method asked for; None = the checkpoint's floats in `dtype`.
+    quantization: Any = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class EngineArgs:
     # `preprocess_lookahead` images of queued requests ahead of scheduling.
     async_preprocess: bool = True
     preprocess_lookahead: int = 16
+    # Online weight-only quantization of the decoder's linear layers: "int8" or "int4" (None:
+    # none; a compressed-tensors checkpoint is detected from its config without this).
+    quantization: str | None = None
+    quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
@@ -250,8 +257,12 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
 
     from transformers import AutoConfig
 
+    from mmkit.models.quantization import QuantizationSpec
+
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     architecture = resolve_architecture(hf_config)
+    # Checked here, before any weight is read: an unsupported method fails with its name.
+    quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
     text = hf_config.get_text_config()
     device = resolve_device(args.device)
     derived_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
@@ -286,6 +297,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         image_token_id=image_token_id,
         image_seq_length=_image_seq_length(hf_config),
         sliding_window=window,
+        quantization=quantization,
     )
 
 
