@@ -69,7 +69,16 @@ def _compressed_tensors_spec(saved: dict) -> QuantizationSpec:
                          f"does not load; {_SUPPORTED}")
     from compressed_tensors.quantization import QuantizationConfig
 
-    config = QuantizationConfig.model_validate(saved)
+    for name, group in (saved.get("config_groups") or {}).items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("actorder") == "group":
+            raise ValueError(f"model: compressed-tensors config group {name!r}: GPTQ act-order 'group' (weights "
+                             f"permuted by g_idx) is not supported; {_SUPPORTED}")
+    try:
+        config = QuantizationConfig.model_validate(saved)
+    except ValueError as exc:  # pydantic's ValidationError: a scheme this compressed-tensors rejects
+        raise ValueError(f"model: the checkpoint's compressed-tensors quantization_config is not valid "
+                         f"({str(exc).splitlines()[0]}); {_SUPPORTED}") from exc
     if config.kv_cache_scheme is not None:
         raise ValueError(f"model: compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported; {_SUPPORTED}")
     schemes = []

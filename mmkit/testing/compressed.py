@@ -10,6 +10,7 @@ checkpoint is saved with its `quantization_config`. The result is what a user do
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -43,11 +44,15 @@ def _observe_weight(module: torch.nn.Module) -> None:
 def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "W4A16", fmt: str | None = None,
                         ignore: Sequence[str] = ("lm_head", "re:.*vision.*", "re:.*multi_modal_projector.*",
                                                  "re:.*merger.*"),
-                        targets: Sequence[str] = ("Linear",), group_size: int = 32) -> Path:
+                        targets: Sequence[str] = ("Linear",), group_size: int = 32,
+                        keep_regex_ignore: bool = False) -> Path:
     """Save `src` (an unquantized tiny checkpoint) quantized with compressed-tensors preset
     `scheme` into `dst` in `fmt` (default: the format llm-compressor uses for the scheme).
     `ignore` takes both forms compressed-tensors accepts: `re:` regexes and module names.
-    `group_size` replaces the preset's (128) for grouped schemes: tiny models are 64 wide."""
+    `group_size` replaces the preset's (128) for grouped schemes: tiny models are 64 wide; W8A16
+    is saved per output channel (what the issue's users download). compressed-tensors expands
+    `ignore` into explicit module names when saving; `keep_regex_ignore` writes the given list
+    back (the form llm-compressor recipes leave in many released configs)."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
@@ -58,7 +63,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "W4A16",
     model_cls = getattr(transformers, config.architectures[0])
     model = model_cls.from_pretrained(src, dtype=torch.float32).eval()
     qscheme = preset_name_to_scheme(scheme, list(targets))
-    if qscheme.weights is not None and qscheme.weights.strategy == "group":
+    if scheme == "W8A16":
+        qscheme.weights.strategy, qscheme.weights.group_size = "channel", None
+    elif qscheme.weights is not None and qscheme.weights.strategy == "group":
         qscheme.weights.group_size = group_size
     qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=list(ignore),
                                  quantization_status=QuantizationStatus.INITIALIZED)
@@ -70,6 +77,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "W4A16",
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(str(dst))
+    if keep_regex_ignore:
+        config_file = dst / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["quantization_config"]["ignore"] = list(ignore)
+        config_file.write_text(json.dumps(saved, indent=2))
     for extra in src.iterdir():  # tokenizer, processor and chat template files
         if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json") \
                 and extra.is_file() and not (dst / extra.name).exists():
