@@ -67,7 +67,11 @@ def _compressed_tensors_spec(saved: dict) -> QuantizationSpec:
     if method != "compressed-tensors":
         raise ValueError(f"model: the checkpoint's quantization_config has quant_method {method!r}, which mmkit "
                          f"does not load; {_SUPPORTED}")
-    from compressed_tensors.quantization import QuantizationConfig
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as exc:
+        raise ValueError("model: this checkpoint is quantized with compressed-tensors; install it with "
+                         "pip install 'mmkit[quant]'") from exc
 
     for name, group in (saved.get("config_groups") or {}).items():
         weights = group.get("weights") if isinstance(group, dict) else None
