@@ -16,7 +16,11 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
+
+from mmkit.cli_parser import Parser
+from mmkit.errors import RequestFailedError
 
 CAPTION_QUESTION = "Describe the image."
 
@@ -35,11 +39,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmkit", description="Run vision-language models offline.")
+    parser = Parser(prog="mmkit", description="Run vision-language models offline.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("caption", help="print one caption per image",
                        description="Caption each image (one line per image).")
     p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar (shown for many images)")
     _common(p)
     p = sub.add_parser("ask", help="answer a question about an image",
                        description="Answer QUESTION about IMAGE.")
@@ -85,13 +90,19 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args):
+    # The wait users see first: say what loads, then how long it took (stderr: stdout is answers).
+    print(f"mmkit {args.command}: loading {args.model or 'the embedded default model'} ...", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     from mmkit import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return llm
 
 
 def _params(args):
@@ -113,13 +124,21 @@ def question_inputs(llm, image, question: str) -> dict:
 def cmd_caption(args) -> int:
     from mmkit.image_io import load_image
 
+    from mmkit.cli_batch import generate_in_order
+
     images = [load_image(path, where=f"IMAGE {path}") for path in args.images]
     llm = _make_llm(args)
     inputs = [question_inputs(llm, img, CAPTION_QUESTION) for img in images]
-    outs = llm.generate(inputs, _params(args), use_tqdm=False)
-    for path, out in zip(args.images, outs):
+
+    args.num_items, args.num_done = len(images), 0
+
+    def show(i: int, out) -> None:
+        args.num_done += 1
         text = out.outputs[0].text.strip()
-        print(text if len(args.images) == 1 else f"{path}\t{text}")
+        print(text if len(args.images) == 1 else f"{args.images[i]}\t{text}", flush=True)
+
+    # Captions print as they finish (in input order), so a Ctrl-C keeps what is done.
+    generate_in_order(llm, inputs, _params(args), show, show_progress=len(images) > 1 and not args.no_progress)
     return 0
 
 
@@ -141,6 +160,7 @@ def cmd_eval(args) -> int:
 
     items = read_dataset(args.data)
     results = ResultsFile(args.output)
+    args.num_items = len(items)
     llm = _make_llm(args)
 
     def build(item):
@@ -153,16 +173,26 @@ def cmd_eval(args) -> int:
 
 
 def _write_summary(args, summary) -> int:
-    from mmkit.evaluation import format_summary, summary_path_for
+    from mmkit.cli_batch import format_failures
+    from mmkit.evaluation import ResultsFile, format_summary, summary_path_for
 
     summary_path = Path(args.summary) if args.summary else summary_path_for(args.output)
     summary_path.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     print(format_summary(summary))
+    failures = format_failures(ResultsFile(args.output).records.values(), args.output)
+    if failures:
+        print(failures)
     print(f"results: {args.output}\nsummary: {summary_path}")
     return 0
 
 
 def cmd_serve(args) -> int:
+    from mmkit.entrypoints.openai.preflight import bind_listen_socket, check_serve_args
+
+    # Before the model loads (and before torch is imported): seconds, not a minute, to learn
+    # that the port is taken or a folder is missing.
+    check_serve_args(args)
+    args.listen_socket = bind_listen_socket(args.host, args.port)
     try:
         from mmkit.entrypoints.openai.api_server import run_server
     except ModuleNotFoundError as exc:
@@ -185,6 +215,7 @@ def cmd_eval_ray(args) -> int:
 
     data = EvalData(args.data)
     results = ResultsFile(args.output)
+    args.num_items = len(data.items)
     cpus = args.num_cpus_per_replica or 1
     # NOTE: the driver needs torch only to validate the engine arguments; importing it on a
     # thread while Ray starts its own processes takes ~1.5 s off the run's critical path.
@@ -217,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"mmkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RequestFailedError as exc:  # an item failed after it was admitted; the others printed
+        print(f"mmkit {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        from mmkit.cli_batch import interrupted_message
+
+        print(interrupted_message(args), file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 if __name__ == "__main__":

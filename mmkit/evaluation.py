@@ -30,6 +30,8 @@ class EvalItem:
     # Optional multiple-choice options: the answer is constrained to exactly one of them
     # (structured outputs) and scored by exact match.
     choices: list[str] | None = None
+    # The data's own `id` column, when it has one (shown in the failure table, kept in results).
+    item_id: str | None = None
 
 
 def normalize_answer(text: str) -> str:
@@ -83,9 +85,11 @@ def items_from_rows(rows: Iterable[dict[str, Any]], name: str, base: Path,
             answers = [str(answer)]
         qtype = row.get("type") or None
         image = row[image_column] if image_column else "<bytes>"
+        item_id = row.get("id")
         items.append(EvalItem(i, image, (base / image), row["question"], answers,
                               str(qtype) if qtype is not None else None,
-                              _read_choices(row.get("choices"), f"DATA: {name} item {i}")))
+                              _read_choices(row.get("choices"), f"DATA: {name} item {i}"),
+                              str(item_id) if item_id not in (None, "") else None))
     return items
 
 
@@ -197,6 +201,8 @@ def make_record(item: EvalItem, answer: str | None, error: str | None) -> dict[s
               "error": error}
     if item.choices:
         record["choices"] = item.choices
+    if item.item_id is not None:
+        record["id"] = item.item_id
     return record
 
 

@@ -105,12 +105,17 @@ class LlamaAttention(nn.Module):
             qkv = self.qkv_proj(x).view(num_tokens, nh + 2 * nkv, hd)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(num_tokens, nh + 2 * nkv, hd)
-        # q and k are adjacent heads of `qkv`: rotate them in one pass.
-        qk = rope.rotate(qkv, nh + nkv)
+        qk = self.rotate_qk(qkv, rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv:]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, nh * hd))
+
+    def rotate_qk(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """qkv: [num_tokens, heads + 2 * kv_heads, head_dim] -> rotated [num_tokens, heads +
+        kv_heads, head_dim] (q heads, then k heads). q and k are adjacent heads of `qkv`: one
+        pass rotates both. A decoder that transforms q/k before the rotation overrides this."""
+        return rope.rotate(qkv, self.num_heads + self.num_kv_heads)
 
 
 class LlamaMLP(nn.Module):
@@ -158,10 +163,13 @@ def _fuse_linears(linears: list[nn.Module]) -> nn.Module:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    # A decoder built from this block swaps the parts it changes (models/qwen3.py).
+    attention_cls: type[nn.Module] = LlamaAttention
+
+    def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self.attention_cls(config)
+        self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -177,15 +185,21 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (a mixture-of-experts decoder picks per layer)."""
+        return LlamaMLP(config)
+
 
 class LlamaModel(nn.Module):
     """The decoder stack without the LM head (HF's `LlamaModel`)."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
 

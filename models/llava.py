@@ -12,7 +12,8 @@ from transformers.activations import ACT2FN
 
 from mmkit.config import _image_seq_length
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
-from mmkit.models.llama import Linear, LlamaModel, pack_linears
+from mmkit.models.llama import Linear, pack_linears
+from mmkit.models.registry import text_model_class
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -41,7 +42,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.language_model = LlamaModel(config.text_config, max_positions)
+        self.language_model = text_model_class(config.text_config)(config.text_config, max_positions)
         text = config.text_config
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(

@@ -14,8 +14,14 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 # Families whose own module fixes the decoder and vision tower (no per-part check below).
 _SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
-# Decoders mmkit's Llama implementation computes exactly (HF model_type of text_config).
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+# HF model_type of text_config -> the mmkit decoder that computes it exactly.
+_TEXT_MODELS: dict[str, tuple[str, str]] = {
+    "llama": ("mmkit.models.llama", "LlamaModel"),
+    "mistral": ("mmkit.models.llama", "LlamaModel"),
+    "qwen2": ("mmkit.models.llama", "LlamaModel"),
+    "qwen3": ("mmkit.models.qwen3", "Qwen3Model"),
+}
+SUPPORTED_TEXT_MODELS = tuple(_TEXT_MODELS)
 SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
 
 
@@ -55,6 +61,14 @@ def resolve_architecture(hf_config: Any) -> str:
             f"towers: {list(SUPPORTED_VISION_MODELS)}"
         )
     return arch
+
+
+def text_model_class(text_config: Any):
+    """The decoder class for a composite model's `text_config` (checked by `resolve_architecture`)."""
+    import importlib
+
+    module_name, class_name = _TEXT_MODELS[text_config.model_type]
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def get_model_class(architecture: str):

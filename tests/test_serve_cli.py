@@ -124,3 +124,38 @@ def test_import_mmkit_does_not_import_the_server_stack():
             "'prometheus_client', 'openai')]; print(heavy); assert not heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _taken_port() -> tuple["socket.socket", int]:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def test_a_taken_port_fails_before_the_model_loads():
+    sock, port = _taken_port()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "mmkit", "serve", "--port", str(port)], capture_output=True,
+                             text=True, timeout=60, cwd=REPO)
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert out.returncode == 2, out.stderr
+    assert f"port {port}" in out.stderr and "already in use" in out.stderr and "Traceback" not in out.stderr
+    assert "loading" not in out.stdout  # checked before the model loads ...
+    assert elapsed < 10, elapsed        # ... so within the bound even on a loaded machine
+
+
+def test_paths_are_checked_before_the_model_loads(tmp_path):
+    for args, needle in ((["--allowed-local-media-path", str(tmp_path / "nope")], "--allowed-local-media-path"),
+                         (["--chat-template", str(tmp_path / "none.jinja")], "--chat-template"),
+                         (["--generation-config", str(tmp_path)], "--generation-config"),
+                         (["--model", str(tmp_path / "no-model")], "--model")):
+        out = subprocess.run([sys.executable, "-m", "mmkit", "serve", "--port", "0", *args], capture_output=True,
+                             text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "loading" not in out.stdout

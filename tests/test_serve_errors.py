@@ -125,6 +125,8 @@ CHAT_ERRORS = {
     "content is a number": (chat(5), "messages[0].content"),
     "unknown part type": (chat([{"type": "audio", "audio": "x"}]), "messages[0].content[0].type"),
     "image_url without url": (chat([{"type": "image_url", "image_url": {}}]), "messages[0].content[0]"),
+    "image_url as a bare string": (chat([{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]),
+                                   "messages[0].content[0]"),
     "bad base64": (chat(image("data:image/png;base64,@@@")), "messages[0].content[0]"),
     "data uri not an image": (chat(image("data:image/png;base64," + base64.b64encode(b"hi").decode())),
                               "messages[0].content[0]"),
@@ -172,6 +174,8 @@ def test_bad_chat_input_is_a_400_then_the_server_still_serves(server, client, me
         assert error["param"].startswith(case.split()[0]), error
     if case == "bad json":
         assert "not valid JSON" in error["message"]
+    if case == "image_url as a bare string":  # OpenAI's and vLLM's 400; the message shows the object form
+        assert '{"url": ' in error["message"], error
     if case == "prompt too long":
         assert "max_model_len" in error["message"]
     good_request_works(client)

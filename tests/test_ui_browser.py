@@ -355,6 +355,20 @@ def test_api_key_is_asked_once_and_a_wrong_key_gets_a_clear_401(browser, page):
         wait_connected(page)
         assert page.get_by_test_id("api-key").count() == 0
         assert "red" in ask(page, QUESTION, RED_CIRCLE)
+
+        # A new tab: the user types the key into the key field and clicks Send (no Enter in the
+        # key field); the page uses the typed key for that question and gets the answer.
+        context = browser.new_context()
+        tab = context.new_page()
+        tab.set_default_timeout(60_000)
+        try:
+            tab.goto(server.url + "/")
+            tab.get_by_test_id("api-key").wait_for(state="visible")
+            tab.get_by_test_id("api-key").fill(API_KEY)
+            assert "red" in ask(tab, QUESTION, RED_CIRCLE)  # clicks Send
+            assert tab.get_by_test_id("api-key").count() == 0 and tab.get_by_test_id("error").is_hidden()
+        finally:
+            context.close()
     finally:
         server.stop()
 

@@ -24,11 +24,14 @@ __all__ = ["build_tiny_checkpoint", "tiny_architectures", "build_tiny_llava", "b
            "build_tiny_qwen2_vl", "rewrite_hub_layout", "rewrite_qwen_hub_layout", "hub_key",
            "build_tokenizer", "tiny_text_config", "tiny_vision", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
 
-# architecture -> (module under mmkit.testing, builder, fixed keyword arguments)
+# architecture -> (module under mmkit.testing, builder, default keyword arguments)
 _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "LlavaForConditionalGeneration": ("llava", "build_tiny_llava", {}),
     "LlavaNextForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_next"}),
-    "LlavaOnevisionForConditionalGeneration": ("llava_next", "build_tiny_anyres", {"family": "llava_onevision"}),
+    # OneVision's real checkpoints: Qwen2 decoder, SigLIP tower, every feature row, tied embeddings.
+    "LlavaOnevisionForConditionalGeneration": ("llava_next", "build_tiny_anyres", {
+        "family": "llava_onevision", "text_type": "qwen2", "vision_type": "siglip", "select_strategy": "full",
+        "vision_feature_layer": -1, "tie_word_embeddings": True}),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2"}),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "build_tiny_qwen2_vl", {"version": "2.5"}),
 }
@@ -45,9 +48,9 @@ def build_tiny_checkpoint(architecture: str, out_dir: str | Path, **kwargs: Any)
     if architecture not in _BUILDERS:
         raise ValueError(f"architecture {architecture!r} has no tiny builder; available: "
                          f"{tiny_architectures()}")
-    module, builder, fixed = _BUILDERS[architecture]
+    module, builder, defaults = _BUILDERS[architecture]
     fn = getattr(importlib.import_module(f"mmkit.testing.{module}"), builder)
-    return fn(out_dir, **fixed, **kwargs)
+    return fn(out_dir, **{**defaults, **kwargs})
 
 
 def __getattr__(name: str) -> Any:

@@ -55,11 +55,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384):
 
 
 def tiny_text_config(text_type: str, tokenizer, **kw):
-    """A tiny decoder config of `text_type` ("llama", "mistral" or "qwen2"), built with
+    """A tiny decoder config of `text_type` ("llama", "mistral", "qwen2" or "qwen3"), built with
     transformers' own config class."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[text_type]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[text_type]
     if text_type == "llama":
         kw.pop("sliding_window", None)
     return cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -87,9 +87,10 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                      intermediate: int | None = None, vocab_size: int = 384, tokenizer=None,
                      text_type: str = "llama", vision_type: str = "clip",
                      vision_feature_layer: int | list[int] = -2, select_strategy: str = "default",
-                     sliding_window: int | None = None, rope_theta: float = 10000.0) -> Path:
-    """Save a random LLaVA (CLIP/SigLIP tower + projector + Llama/Mistral/Qwen2 decoder) with
-    its processor."""
+                     sliding_window: int | None = None, rope_theta: float = 10000.0,
+                     head_dim: int | None = None) -> Path:
+    """Save a random LLaVA (CLIP/SigLIP tower + projector + Llama/Mistral/Qwen2/Qwen3 decoder)
+    with its processor. `head_dim` (default hidden / heads) need not be hidden / heads."""
     from transformers import (GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaProcessor)
 
@@ -106,7 +107,8 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                             max_position_embeddings=max_position_embeddings,
                             tie_word_embeddings=tie_word_embeddings, initializer_range=init_std,
-                            sliding_window=sliding_window, rope_theta=rope_theta)
+                            sliding_window=sliding_window, rope_theta=rope_theta,
+                            head_dim=head_dim or hidden // num_heads)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                          vision_feature_layer=vision_feature_layer,
                          vision_feature_select_strategy=select_strategy,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,8 @@ def run_server(args: Any) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"mmkit serve: loading {args.model or 'the embedded default model'} ...", flush=True)
+    start = time.perf_counter()
     media = MediaPolicy.from_args(args.allowed_local_media_path, list(_split(args.allowed_media_domains)))
     chat_template = _read_chat_template(args.chat_template)
     if args.generation_config not in ("auto", "vllm") and \
@@ -251,6 +254,7 @@ def run_server(args: Any) -> int:
         raise ValueError(f"--generation-config: {args.generation_config!r} holds no generation_config.json; "
                          "expected 'auto', 'vllm' or such a folder")
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
+    print(f"mmkit serve: model loaded in {time.perf_counter() - start:.1f} s", flush=True)
     names = tuple(args.served_model_name or [args.model or "default-model"])
     source = {"auto": engine.engine.config.model.path, "vllm": None}.get(args.generation_config,
                                                                         args.generation_config)
@@ -266,8 +270,10 @@ def run_server(args: Any) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     server = _Server(uv_config, engine,
                      lambda port: f"mmkit serve: {names[0]} ready at http://{host}:{port}/v1")
+    # `mmkit serve` bound the socket before loading the model (a taken port fails at once).
+    sock = getattr(args, "listen_socket", None)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()
     return 0 if server.started else 1

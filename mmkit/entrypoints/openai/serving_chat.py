@@ -109,10 +109,13 @@ class OpenAIServingChat(OpenAIServing):
         for p, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
+                url = spec.get("url") if isinstance(spec, dict) else None
                 where = f"messages[{m}].content[{p}]"
                 if not isinstance(url, str):
-                    raise OpenAIError(f"{where}.image_url: got {spec!r:.80}; expected {{'url': 'data:image/...'}}",
+                    # NOTE: a bare string is refused as OpenAI's API and vLLM refuse it: the field
+                    # is an object, and the message shows that form.
+                    raise OpenAIError(f"{where}.image_url: got {spec!r:.80}; expected an object "
+                                      "{\"url\": \"data:image/...;base64,...\"} (the URL goes in its \"url\" field)",
                                       param=where)
                 try:
                     part = {"type": "image", "image": self.config.media.load(url, where)}

@@ -244,6 +244,14 @@ async function ask(event) {
   if (!text && !attachment.current()) { el.prompt.focus(); return; }
   let settings;
   try { settings = readSettings(); } catch (e) { showError(e.message); return; }
+  // A key typed into the key field counts even when the user pressed Send instead of Enter
+  // there: take it, and connect again with it.
+  const keyField = $("api-key");
+  const typedKey = keyField ? keyField.value.trim() : "";
+  if (typedKey && typedKey !== state.apiKey) {
+    state.apiKey = typedKey;
+    state.model = null;
+  }
   // Not connected yet (the server was starting, or a key is still missing): try again now.
   if (!state.model && !(await connect())) return;
   if (state.controller) return;  // a second Enter while connecting

