@@ -39,6 +39,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "mmkit.engine.async_engine",
     "EngineDeadError": "mmkit.errors",
     "RequestFailedError": "mmkit.errors",
+    "ModelRegistry": "mmkit.models.registry",
 }
 __all__ = list(_EXPORTS)
 
@@ -63,5 +64,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmkit.errors import EngineDeadError, RequestFailedError
     from mmkit.inputs import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
     from mmkit.llm import LLM
+    from mmkit.models.registry import ModelRegistry
     from mmkit.outputs import CompletionOutput, Logprob, RequestOutput
     from mmkit.sampling_params import SamplingParams, StructuredOutputsParams

@@ -39,7 +39,7 @@ class ModelConfig:
 
     path: str
     architecture: str
-    hf_config: Any  # transformers.PretrainedConfig (LlavaConfig)
+    hf_config: Any  # transformers.PretrainedConfig of the checkpoint
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
@@ -51,7 +51,7 @@ class ModelConfig:
     head_dim: int
     image_token_id: int | None
     image_seq_length: int | None  # placeholder tokens per image after expansion
-    # The decoder's sliding attention window (Mistral, Qwen2 with use_sliding_window), or None.
+    # The decoder's sliding attention window (the model class's `get_sliding_window`), or None.
     # NOTE: mmkit attends to the whole context, so max_model_len is capped at the window: every
     # sequence it accepts is inside the window, where both attentions are the same.
     sliding_window: int | None = None
@@ -116,8 +116,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     encoder_cache_memory: int = 256 << 20
     tokenizer: str | None = None
-    # Processor options for every request (e.g. Qwen2-VL's {"min_pixels": ..., "max_pixels": ...});
-    # a request's own `mm_processor_kwargs` override them key by key.
+    # Processor options for every request (e.g. {"min_pixels": ..., "max_pixels": ...}), checked
+    # by the family's processor; a request's own `mm_processor_kwargs` override them key by key.
     mm_processor_kwargs: Mapping[str, Any] | None = None
     # Overlapped preprocessing: the HF image processor runs on a small thread pool for up to
     # `preprocess_lookahead` images of queued requests ahead of scheduling.
@@ -129,7 +129,10 @@ class EngineArgs:
     quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
 
     def create_engine_config(self) -> EngineConfig:
+        from mmkit.plugins import load_plugins
+
         self._validate()
+        load_plugins()  # out-of-tree families register before the architecture is resolved
         model_path = resolve_model_path(self.model)
         model = _build_model_config(model_path, self)
         max_batched = self.max_num_batched_tokens
@@ -253,20 +256,27 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
 
 
 def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
-    from mmkit.models.registry import resolve_architecture
+    from mmkit.models.registry import ModelRegistry
 
     from transformers import AutoConfig
 
     from mmkit.models.quantization import QuantizationSpec
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+<<<<<<< HEAD
     architecture = resolve_architecture(hf_config)
     # Checked here, before any weight is read: an unsupported method fails with its name.
     quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
+=======
+    architecture = ModelRegistry.architecture_of(hf_config)
+    # What the family declares (mmkit.models.interfaces.SupportsMultiModal); generic code
+    # never looks at the family's own config fields.
+    model_cls = ModelRegistry.resolve(architecture)[0]
+>>>>>>> main
     text = hf_config.get_text_config()
     device = resolve_device(args.device)
     derived_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
-    window = sliding_window(text)
+    window = _declared(model_cls, "get_sliding_window", hf_config)
     if window is not None:
         if args.max_model_len is not None and args.max_model_len > window:
             raise ValueError(
@@ -295,33 +305,14 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         image_token_id=image_token_id,
-        image_seq_length=_image_seq_length(hf_config),
+        image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
         sliding_window=window,
         quantization=quantization,
     )
 
 
-def sliding_window(text_config: Any) -> int | None:
-    """The attention window the decoder applies (the way transformers decides it), or None."""
-    window = getattr(text_config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:  # Qwen2: only layers marked "sliding_attention" slide
-        return int(window) if "sliding_attention" in layer_types else None
-    if getattr(text_config, "model_type", None) == "qwen2" and not getattr(text_config, "use_sliding_window", False):
-        return None
-    return int(window)
-
-
-def _image_seq_length(hf_config: Any) -> int | None:
-    """Placeholder tokens per image, the way LlavaProcessor counts them."""
-    vision = getattr(hf_config, "vision_config", None)
-    if vision is None or getattr(vision, "image_size", None) is None or getattr(vision, "patch_size", None) is None:
-        return None  # a family whose count depends on the image (Qwen2-VL: its model says, per item)
-    num_patches = (vision.image_size // vision.patch_size) ** 2
-    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
-    # CLIP-like towers prepend a CLS token, SigLIP does not; "default" drops the first feature
-    # row whatever it is (as transformers does), "full" keeps every row.
-    has_cls = getattr(vision, "model_type", "") in ("clip_vision_model", "clip")
-    return num_patches + int(has_cls) - int(strategy == "default")
+def _declared(model_cls: type, name: str, hf_config: Any) -> int | None:
+    """A family's declaration `model_cls.<name>(hf_config)`; None when it declares nothing."""
+    method = getattr(model_cls, name, None)
+    value = None if method is None else method(hf_config)
+    return None if value is None else int(value)

@@ -21,7 +21,7 @@ from mmkit.sampling_params import SamplingParams
 class LLM:
     """A vision-language model ready for offline batched generation.
 
-    `LLM(model=None, **engine_args)`: `model` is a llava-hf style checkpoint folder or a model id
+    `LLM(model=None, **engine_args)`: `model` is a checkpoint folder or a model id
     already in the local HF cache; None loads the embedded default model. Every other keyword
     is an `EngineArgs` field (dtype, device, seed, max_model_len, max_num_seqs, ...).
     """
@@ -89,13 +89,14 @@ class LLM:
         Messages are OpenAI-style: `{"role": "user", "content": "text"}` or content as a list
         of parts `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url":
         "data:image/png;base64,..." | "path/or/file://url" | "https://..."}}`,
-        `{"type": "image", "image": PIL.Image}`; for video models (Qwen2-VL) also
-        `{"type": "video_url", "video_url": {"url": "clip.mp4" | [frames]}}` (files need PyAV)
+        `{"type": "image", "image": PIL.Image}`; for video models (a processor whose
+        `supported_modalities` holds "video") also
+        `{"type": "video_url", "video_url": {"url": "movie.mp4" | [frames]}}` (files need PyAV)
         and `{"type": "video", "video": frames}`. Rendered with the checkpoint's chat template
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        allow_video = getattr(self.llm_engine.input_processor, "video_processor", None) is not None
+        allow_video = "video" in getattr(self.llm_engine.input_processor, "supported_modalities", ("image",))
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 

@@ -142,6 +142,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # mmkit extension: the first prompt position whose log-prob is wanted (negative: counted
+    # from the end, -n = the last n tokens); earlier positions come back None and may be
+    # served from the prefix cache (continuations scored after a shared context, e.g. the
+    # options of a multiple-choice question).
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -183,6 +188,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _int_at_least(name, value, 0)
+        if isinstance(self.prompt_logprobs_start, bool) or not isinstance(self.prompt_logprobs_start, int):
+            raise TypeError(f"prompt_logprobs_start: got {type(self.prompt_logprobs_start).__name__}; expected int")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop[{i}]: got {s!r}; expected a non-empty string")
@@ -198,6 +205,11 @@ class SamplingParams:
                             "StructuredOutputsParams or None")
 
     # ------------------------------------------------------------------ helpers
+    def first_prompt_logprob(self, num_prompt_tokens: int) -> int:
+        """The first prompt position whose log-prob is computed (`prompt_logprobs_start`)."""
+        start = self.prompt_logprobs_start
+        return max(num_prompt_tokens + start, 0) if start < 0 else start
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

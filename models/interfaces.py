@@ -1,9 +1,11 @@
 """What a multimodal model family implements so the engine can run it unchanged.
 
-A family is two classes and two registry lines: a model class in `models/<family>.py`
-(registered in `models/registry.py`) that implements `SupportsMultiModal` (and
-`SupportsMRoPE` for 3-D rotary positions), and an input processor in
-`processors/<family>.py` (registered in `processors/__init__.py`). The engine, scheduler
+A family is two classes and one `ModelRegistry.register_model` line per architecture: a
+model class in `models/<family>.py` that implements `SupportsMultiModal` (and `SupportsMRoPE`
+for 3-D rotary positions) and declares what generic code needs (`check_config`,
+`get_sliding_window`, `get_image_seq_length`), and an input processor in
+`processors/<family>.py` (`processors/base.py`: its modalities, its `mm_processor_kwargs`
+checks). The engine, scheduler
 and runner never look at a family's tensors: they move
 
 - placeholder ranges (`PlaceholderRange`, decided by the processor from
@@ -49,6 +51,12 @@ class SupportsMultiModal(Protocol):
     Called by the runner, in this order per step: `embed_multimodal` for the items the
     scheduler scheduled for encoding, `embed_tokens`, `merge_multimodal_embeddings`,
     `forward`, `compute_logits`.
+
+    Optional declarations generic code reads (classmethods taking the checkpoint's HF config;
+    `DecoderLMMixin` gives the defaults): `check_config(hf_config)` raises ValueError for a
+    config the family cannot compute exactly (when the architecture is resolved);
+    `get_sliding_window(hf_config)` -> the decoder's attention window in tokens or None;
+    `get_image_seq_length(hf_config)` -> placeholder tokens per image when fixed, else None.
     """
 
     supports_multimodal: ClassVar[bool]
@@ -153,9 +161,36 @@ def merge_multimodal_embeddings(inputs_embeds: torch.Tensor, item_embeds: Sequen
     return inputs_embeds
 
 
+def decoder_sliding_window(text_config: Any) -> int | None:
+    """The attention window a decoder config applies (the way transformers decides it), or None:
+    `sliding_window`, unless `layer_types` marks no layer "sliding_attention" or the config
+    switches it off with `use_sliding_window=False`."""
+    window = getattr(text_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:  # only layers marked "sliding_attention" slide
+        return int(window) if "sliding_attention" in layer_types else None
+    if getattr(text_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
 class DecoderLMMixin:
     """The text side every family shares: `embed_tokens`, `forward` and `compute_logits`
-    delegated to the family's paged decoder (`self.language_model`) and `self.lm_head`."""
+    delegated to the family's paged decoder (`self.language_model`) and `self.lm_head`;
+    and the default declarations generic code reads (`mmkit/config.py`)."""
+
+    @classmethod
+    def get_sliding_window(cls, hf_config: Any) -> int | None:
+        """The decoder's sliding attention window in tokens, or None (full attention)."""
+        return decoder_sliding_window(hf_config.get_text_config())
+
+    @classmethod
+    def get_image_seq_length(cls, hf_config: Any) -> int | None:
+        """Placeholder tokens of every image when the count is fixed; None when it depends on
+        the image (the processor asks `get_num_placeholder_tokens` per item)."""
+        return None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)

@@ -10,10 +10,9 @@ from torch import nn
 from transformers import AutoModel
 from transformers.activations import ACT2FN
 
-from mmkit.config import _image_seq_length
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, pack_linears
-from mmkit.models.registry import text_model_class
+from mmkit.models.registry import SUPPORTED_TEXT_MODELS, text_model_class
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -32,10 +31,43 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
+# HF model_type of vision_config -> a tower transformers' AutoModel builds and mmkit checked.
+SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+
+
 class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
     """LLaVA-1.5: a fixed number of tokens per image (`SupportsMultiModal`)."""
 
     supports_multimodal: ClassVar[bool] = True
+
+    # ------------------------------------------------------------------ declarations
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """A composite of parts mmkit computes exactly: the decoder and the vision tower."""
+        arch = (getattr(hf_config, "architectures", None) or [cls.__name__])[0]
+        text_type = getattr(hf_config.get_text_config(), "model_type", None)
+        if text_type not in SUPPORTED_TEXT_MODELS:
+            raise ValueError(
+                f"model: {arch} with a {text_type!r} language model is not supported; supported "
+                f"language models: {list(SUPPORTED_TEXT_MODELS)}"
+            )
+        vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
+        if vision_type not in SUPPORTED_VISION_MODELS:
+            raise ValueError(
+                f"model: {arch} with a {vision_type!r} vision tower is not supported; supported vision "
+                f"towers: {list(SUPPORTED_VISION_MODELS)}"
+            )
+
+    @classmethod
+    def get_image_seq_length(cls, hf_config: Any) -> int | None:
+        """Placeholder tokens per image, the way LlavaProcessor counts them."""
+        vision = hf_config.vision_config
+        num_patches = (vision.image_size // vision.patch_size) ** 2
+        strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+        # CLIP-like towers prepend a CLS token, SigLIP does not; "default" drops the first feature
+        # row whatever it is (as transformers does), "full" keeps every row.
+        has_cls = getattr(vision, "model_type", "") in ("clip_vision_model", "clip")
+        return num_patches + int(has_cls) - int(strategy == "default")
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
@@ -68,7 +100,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
     def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
                                    image_processor: Any = None) -> int:
         """Every image becomes `image_seq_length` tokens whatever its size (it is resized)."""
-        return _image_seq_length(hf_config)
+        return cls.get_image_seq_length(hf_config)
 
     def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
         """Items {"pixel_values": [1, 3, H, W]} -> one [image_seq_length, hidden] each (batched)."""

@@ -1,20 +1,136 @@
-"""Maps HF `architectures[0]` to mmkit's implementation."""
+"""`ModelRegistry`: HF `architectures[0]` -> (model class, input processor class).
+
+The one table every family registers in, built-in and out-of-tree alike (vLLM's
+`ModelRegistry` for out-of-tree models):
+
+    from mmkit import ModelRegistry
+    ModelRegistry.register_model("MyVLMForConditionalGeneration",   # HF architectures[0]
+                                 "my_pkg.model:MyVLM",               # a class, or "module:Class"
+                                 processor="my_pkg.processor:MyProcessor")
+
+A "module:Class" string is imported on first use, so registering costs nothing. Plugins
+(`mmkit.plugins` entry points, see mmkit/plugins.py) register the same way.
+"""
 
 from __future__ import annotations
 
+import importlib
+import threading
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
-# architecture -> (module under mmkit.models, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlavaForConditionalGeneration": ("mmkit.models.llava", "LlavaForConditionalGeneration"),
-    "LlavaNextForConditionalGeneration": ("mmkit.models.llava_next", "LlavaNextForConditionalGeneration"),
-    "LlavaOnevisionForConditionalGeneration": ("mmkit.models.llava_next", "LlavaOnevisionForConditionalGeneration"),
-    "Qwen2VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("mmkit.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
-}
-# Families whose own module fixes the decoder and vision tower (no per-part check below).
-_SELF_CONTAINED = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
-# HF model_type of text_config -> the mmkit decoder that computes it exactly.
+def _import_ref(ref: Any, what: str) -> type:
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, class_name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what}: cannot import {ref!r} ({exc})") from exc
+
+
+def _check_ref(name: str, ref: Any) -> None:
+    if isinstance(ref, type):
+        return
+    if isinstance(ref, str):
+        module_name, sep, class_name = ref.partition(":")
+        if sep and module_name and class_name.isidentifier():
+            return
+        raise ValueError(f"{name}: got {ref!r}; expected a class or a 'module:Class' string")
+    raise TypeError(f"{name}: got {type(ref).__name__}; expected a class or a 'module:Class' string")
+
+
+@dataclass
+class _Entry:
+    model: Any  # class or "module:Class"
+    processor: Any
+
+
+class _ModelRegistry:
+    """Architectures mmkit can run; see the module docstring. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._by_model_type: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def register_model(self, architecture: str, model_cls: Any, *, processor: Any,
+                       model_types: tuple[str, ...] = ()) -> None:
+        """Register (or replace) `architecture`, the name a checkpoint's `config.json` gives in
+        `architectures[0]`. `model_cls` implements `mmkit.models.interfaces.SupportsMultiModal`,
+        `processor` `mmkit.processors.base.InputProcessor`; each a class or a "module:Class"
+        string. `model_types`: HF `model_type`s that select it in a config without `architectures`."""
+        if not isinstance(architecture, str) or not architecture:
+            raise TypeError(f"architecture: got {architecture!r}; expected a non-empty string "
+                            "(the checkpoint's architectures[0])")
+        _check_ref("model_cls", model_cls)
+        _check_ref("processor", processor)
+        with self._lock:
+            if architecture in self._entries:
+                warnings.warn(f"ModelRegistry: architecture {architecture!r} was already registered; "
+                              "the new registration replaces it", stacklevel=2)
+            self._entries[architecture] = _Entry(model_cls, processor)
+            for model_type in model_types:
+                self._by_model_type[model_type] = architecture
+
+    def get_supported_archs(self) -> list[str]:
+        """Every registered architecture (built-in and out-of-tree), sorted."""
+        with self._lock:
+            return sorted(self._entries)
+
+    def is_supported(self, architecture: str) -> bool:
+        with self._lock:
+            return architecture in self._entries
+
+    def resolve(self, architecture: str) -> tuple[type, type]:
+        """(model class, input processor class) of `architecture`; lazy references are
+        imported here (and kept)."""
+        with self._lock:
+            entry = self._entries.get(architecture)
+        if entry is None:
+            raise ValueError(f"model: architecture {architecture!r} is not supported; supported "
+                             f"architectures: {self.get_supported_archs()}")
+        model_cls = _import_ref(entry.model, f"model class of {architecture}")
+        processor_cls = _import_ref(entry.processor, f"processor of {architecture}")
+        with self._lock:
+            if self._entries.get(architecture) is entry:
+                entry.model, entry.processor = model_cls, processor_cls
+        return model_cls, processor_cls
+
+    def architecture_of(self, hf_config: Any) -> str:
+        """The registered architecture of a checkpoint config (an old config without
+        `architectures` by its `model_type`), checked by the model class's `check_config`."""
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        if archs:
+            arch = archs[0]
+        else:
+            with self._lock:
+                arch = self._by_model_type.get(getattr(hf_config, "model_type", None))
+        model_cls, _ = self.resolve(arch)
+        check = getattr(model_cls, "check_config", None)
+        if check is not None:
+            check(hf_config)
+        return arch
+
+
+ModelRegistry = _ModelRegistry()
+
+
+def supported_architectures() -> list[str]:
+    return ModelRegistry.get_supported_archs()
+
+
+def resolve_architecture(hf_config: Any) -> str:
+    return ModelRegistry.architecture_of(hf_config)
+
+
+def get_model_class(architecture: str) -> type:
+    return ModelRegistry.resolve(architecture)[0]
+
+
+# HF model_type of text_config -> the mmkit decoder that computes it exactly (a composite
+# family's decoder part, chosen by `text_model_class`).
 _TEXT_MODELS: dict[str, tuple[str, str]] = {
     "llama": ("mmkit.models.llama", "LlamaModel"),
     "mistral": ("mmkit.models.llama", "LlamaModel"),
@@ -22,57 +138,27 @@ _TEXT_MODELS: dict[str, tuple[str, str]] = {
     "qwen3": ("mmkit.models.qwen3", "Qwen3Model"),
 }
 SUPPORTED_TEXT_MODELS = tuple(_TEXT_MODELS)
-SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
-
-
-# An old config without `architectures` is resolved by its model_type.
-_BY_MODEL_TYPE = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
-                  "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-                  "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
-
-
-def resolve_architecture(hf_config: Any) -> str:
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:  # an old config without `architectures`: go by model_type
-        archs = [_BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))]
-    arch = archs[0] if archs else None
-    if arch not in _MODELS:
-        raise ValueError(
-            f"model: architecture {arch!r} is not supported; supported architectures: "
-            f"{supported_architectures()}"
-        )
-    if arch in _SELF_CONTAINED:
-        return arch
-    text_type = getattr(hf_config.get_text_config(), "model_type", None)
-    if text_type not in SUPPORTED_TEXT_MODELS:
-        raise ValueError(
-            f"model: {arch} with a {text_type!r} language model is not supported; supported "
-            f"language models: {list(SUPPORTED_TEXT_MODELS)}"
-        )
-    vision = getattr(hf_config, "vision_config", None)
-    vision_type = getattr(vision, "model_type", None)
-    if vision_type not in SUPPORTED_VISION_MODELS:
-        raise ValueError(
-            f"model: {arch} with a {vision_type!r} vision tower is not supported; supported vision "
-            f"towers: {list(SUPPORTED_VISION_MODELS)}"
-        )
-    return arch
 
 
 def text_model_class(text_config: Any):
-    """The decoder class for a composite model's `text_config` (checked by `resolve_architecture`)."""
-    import importlib
-
+    """The decoder class for a composite model's `text_config` (checked by its `check_config`)."""
     module_name, class_name = _TEXT_MODELS[text_config.model_type]
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def get_model_class(architecture: str):
-    import importlib
-
-    module_name, class_name = _MODELS[architecture]
-    return getattr(importlib.import_module(module_name), class_name)
+# Built-in families: one line per architecture, registered through the public call.
+_register = ModelRegistry.register_model
+# LLaVA (models/llava.py, processors/llava.py)
+_register("LlavaForConditionalGeneration", "mmkit.models.llava:LlavaForConditionalGeneration",
+          processor="mmkit.processors.llava:LlavaInputProcessor", model_types=("llava",))
+# LLaVA-NeXT and OneVision (models/llava_next.py, processors/llava_next.py)
+_register("LlavaNextForConditionalGeneration", "mmkit.models.llava_next:LlavaNextForConditionalGeneration",
+          processor="mmkit.processors.llava_next:LlavaNextInputProcessor", model_types=("llava_next",))
+_register("LlavaOnevisionForConditionalGeneration", "mmkit.models.llava_next:LlavaOnevisionForConditionalGeneration",
+          processor="mmkit.processors.llava_next:LlavaOnevisionInputProcessor", model_types=("llava_onevision",))
+# Qwen2-VL and Qwen2.5-VL (models/qwen2_vl.py, processors/qwen2_vl.py)
+_register("Qwen2VLForConditionalGeneration", "mmkit.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+          processor="mmkit.processors.qwen2_vl:Qwen2VLInputProcessor", model_types=("qwen2_vl",))
+_register("Qwen2_5_VLForConditionalGeneration", "mmkit.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+          processor="mmkit.processors.qwen2_vl:Qwen2VLInputProcessor", model_types=("qwen2_5_vl",))
+del _register

@@ -134,6 +134,22 @@ def _cast_as_built(tensor: torch.Tensor, built: torch.dtype) -> torch.Tensor:
     return tensor.to(built)
 
 
+def transformers_class_name(model_cls: type) -> str:
+    """The transformers model class whose checkpoints `model_cls` loads: the nearest class in
+    its MRO named like one (an out-of-tree subclass registered under another name loads its
+    base family's checkpoints), or `model_cls.hf_class_name` when the family sets it."""
+    import transformers
+
+    declared = getattr(model_cls, "hf_class_name", None)
+    if declared:
+        return declared
+    for cls in model_cls.__mro__:
+        if isinstance(getattr(transformers, cls.__name__, None), type):
+            return cls.__name__
+    raise ValueError(f"model: {model_cls.__qualname__} derives from no transformers model class; set its "
+                     "`hf_class_name` to the transformers class whose checkpoint keys it loads")
+
+
 def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> None:
     """Load a vision-language checkpoint into `model` (an mmkit family class named after its
@@ -141,6 +157,7 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
     decoder): keys renamed by transformers' own conversion list for the class (every layout
     transformers loads), the LM head tied when the config says so, then the decoder's
     projections fused. Meta parameters are created in `dtype` on `device` (`load_weights`)."""
+<<<<<<< HEAD
     mapper = transformers_key_mapper(model.config, type(model).__name__)
     spec = getattr(model, "quantization", None)  # set by the model loader (models/quantization.py)
     quant_loader = None
@@ -149,6 +166,10 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
 
         quant_loader = CompressedTensorsLoader(spec)
     load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device, quant_loader)
+=======
+    mapper = transformers_key_mapper(model.config, transformers_class_name(type(model)))
+    load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device)
+>>>>>>> main
     if model.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
     params, buffers = meta_tensor_names(model)

@@ -4,7 +4,7 @@ runner, and what a family's input processor provides."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -33,8 +33,15 @@ class ProcessedPrompt:
 
 
 class InputProcessor(Protocol):
-    """What the engine calls on a family's processor (`processors/<family>.py`)."""
+    """What the engine calls on a family's processor (`processors/<family>.py`).
 
+    Built as `cls(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)`;
+    the constructor checks the engine-wide `mm_processor_kwargs` (ValueError naming the key and
+    what the family accepts) and `process` checks a request's own, so generic code never knows
+    a family's options."""
+
+    # The modalities `process` accepts ("image", "video"); chat parsing reads it.
+    supported_modalities: ClassVar[tuple[str, ...]]
     tokenizer: Any
     hf_processor: Any
     chat_template: str | None

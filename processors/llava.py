@@ -6,7 +6,7 @@ call is validated up front); pixel values are computed only when the request is 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -18,6 +18,8 @@ from mmkit.processors.base import ProcessedPrompt
 
 class LlavaInputProcessor:
     """LLaVA-1.5's `InputProcessor`: `image_seq_length` placeholder tokens per image."""
+
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:

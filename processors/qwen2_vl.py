@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -77,6 +77,8 @@ def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
 
 class Qwen2VLInputProcessor:
     """Tokens, placeholder ranges, M-RoPE positions and per-item pixels for Qwen2(.5)-VL."""
+
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image", "video")
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:

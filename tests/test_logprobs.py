@@ -126,3 +126,26 @@ def test_logprobs_larger_than_vocab_is_clamped(tiny_ckpt):
                                             prompt_logprobs=vocab + 10), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) == vocab
     assert len(out.prompt_logprobs[1]) == vocab
+
+
+@pytest.mark.parametrize("start", [-5, 21])
+def test_prompt_logprobs_start_skips_early_positions_and_reuses_the_prefix(tiny_ckpt, start):
+    """Positions before prompt_logprobs_start are None; the others equal a full run's, also
+    when a shared prefix comes from the prefix cache (block_size 4: whole blocks are hits)."""
+    from mmkit import LLM
+
+    llm = LLM(str(tiny_ckpt), dtype="float32", block_size=4)
+    prompt = "Tell me a long story about the sea and the wind and the gulls"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    n = len(full.prompt_token_ids)
+    first = n + start if start < 0 else start
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=start)
+    hits = llm.get_metrics()["prefix_cache_hits"]
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.get_metrics()["prefix_cache_hits"] - hits == (first - 1) // 4 * 4 > 0
+    assert len(out.prompt_logprobs) == n and all(p is None for p in out.prompt_logprobs[:first])
+    for pos in range(first, n):
+        tok = out.prompt_token_ids[pos]
+        assert out.prompt_logprobs[pos][tok].logprob == pytest.approx(full.prompt_logprobs[pos][tok].logprob, abs=1e-5)
+    with pytest.raises(TypeError, match="prompt_logprobs_start"):
+        SamplingParams(prompt_logprobs_start=1.5)

@@ -216,7 +216,7 @@ def _one_openmp_thread() -> None:
     gets its own team of OpenMP threads. With more OpenMP threads than CPUs, libgomp cuts
     every team's spin-wait to a short "throttled" count, so the model's own team falls asleep
     between parallel regions and each of a decode step's ~120 matmuls pays a futex wake-up:
-    batch-1 decode of the 30-layer benchmark LLaVA went from 25 to ~40 ms per step after the
+    batch-1 decode of the 30-layer benchmark model went from 25 to ~40 ms per step after the
     first image (measured). `torch.set_num_threads` would change the process-wide default
     (every thread started later, e.g. AsyncLLMEngine's, would inherit 1); the OpenMP call
     changes this thread's setting only.

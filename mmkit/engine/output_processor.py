@@ -148,6 +148,8 @@ class OutputProcessor:
             pos = start + i + 1
             if pos >= len(prompt) or pos < len(state.prompt_logprobs):
                 continue
+            # Positions before prompt_logprobs_start (or served from the prefix cache) are None.
+            state.prompt_logprobs.extend([None] * (pos - len(state.prompt_logprobs)))
             tok = prompt[pos]
             tok_lp = float(lp[i, tok])
             rank = int((lp[i] > lp[i, tok]).sum()) + 1

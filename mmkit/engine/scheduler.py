@@ -239,11 +239,18 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         bm = self.block_manager
-        # Prompt logprobs need the logits of every prompt position: no skipping for them.
-        if not bm.enable_prefix_caching or seq.group.params.prompt_logprobs is not None:
+        if not bm.enable_prefix_caching:
+            return []
+        params = seq.group.params
+        # Prompt logprobs need the hidden rows from position prompt_logprobs_start - 1 on:
+        # only whole blocks before that row may come from the cache.
+        limit = None if params.prompt_logprobs is None else \
+            max(params.first_prompt_logprob(seq.num_prompt_tokens) - 1, 0) // bm.block_size
+        if limit == 0:
             return []
         update_block_hashes(seq, bm.block_size)
-        return bm.find_cached_prefix(seq)
+        hits = bm.find_cached_prefix(seq)
+        return hits if limit is None else hits[:limit]
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
         # NOTE: while running requests fill the step, a waiting request whose images are

@@ -118,7 +118,7 @@ class SequenceGroup:
             if self.processed.image_embeds is not None:
                 self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
             else:
-                # Every item hashes itself, once (ImageItem; Qwen2-VL's VisionItem adds its
+                # Every item hashes itself, once (an image item; a video item adds its
                 # frames and processor options); a prefetch worker has usually done it already.
                 self.image_hashes = [item.content_hash() for item in self.processed.images]
         return self.image_hashes

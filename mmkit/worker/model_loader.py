@@ -17,8 +17,12 @@ from torch import nn
 
 from mmkit.config import ModelConfig
 from mmkit.models.meta_init import meta_parameters, meta_tensor_names
+<<<<<<< HEAD
 from mmkit.models.quantization import ONLINE_METHODS, quantize_decoder_linears
 from mmkit.models.registry import get_model_class
+=======
+from mmkit.models.registry import ModelRegistry
+>>>>>>> main
 
 
 @contextlib.contextmanager
@@ -34,7 +38,7 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(mc: ModelConfig) -> nn.Module:
     """The family's model for `mc`: weights loaded in `mc.dtype` on `mc.device`, in eval mode,
     `prepare_for_inference` done (packed weights, float32 rotary tables)."""
-    model_cls = get_model_class(mc.architecture)
+    model_cls = ModelRegistry.resolve(mc.architecture)[0]
     max_positions = max(mc.max_model_len, getattr(mc.hf_config.get_text_config(), "max_position_embeddings", 0) or 0)
     with _default_dtype(torch.float32), torch.device(mc.device), meta_parameters():
         model = model_cls(mc.hf_config, max_positions)

@@ -84,7 +84,11 @@ class ModelRunner:
             state = c.state
             if (state.params.prompt_logprobs is not None and state.num_output_tokens == 0
                     and state.sample_index == 0):
-                prompt_lp[state.seq_id] = (c.start, self._chunk_logprobs(hidden[row:row + c.num_new_tokens]))
+                # Rows before prompt_logprobs_start - 1 score positions nobody asked for.
+                first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
+                if first < c.end:
+                    lo = row + first - c.start
+                    prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
             row += c.num_new_tokens
             state.num_computed_tokens = c.end
             if not c.samples:
@@ -280,7 +284,7 @@ class ModelRunner:
 
 def _release_freed_memory() -> None:
     """Hand memory freed during loading back to the OS (glibc keeps freed heap pages
-    resident otherwise: ~200 MB for the benchmark LLaVA). A no-op without glibc."""
+    resident otherwise: ~200 MB for the benchmark model). A no-op without glibc."""
     import ctypes
     import ctypes.util
 
