@@ -101,6 +101,8 @@ def add_common_args(p) -> None:
     p.add_argument("--num-layers", type=int, default=30, help="decoder layers of the benchmark LLaVA")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="mmkit only: online weight-only quantization of the decoder's linear layers")
     p.add_argument("--large-images", action="store_true",
                    help="1024x768 photos (assets/photos, a distinct crop per request) instead of small random images")
 
@@ -152,6 +154,8 @@ def setup(args, model_dir: str | None = None):
     llm_kwargs = {}
     if getattr(args, "no_async_preprocess", False):
         llm_kwargs["async_preprocess"] = False
+    if getattr(args, "quantization", None):
+        llm_kwargs["quantization"] = args.quantization
     return model_dir, image_size_of(model_dir), build_llm(model_dir, args.dtype, **llm_kwargs)
 
 

@@ -135,7 +135,8 @@ def main() -> None:
         hf_batch1(hf, warm)
 
     reqs = common.make_workload("uniform", args.batch1_requests, seed=1, uniform_len=args.output_len)
-    result: dict = {"args": vars(args), "threads": torch.get_num_threads()}
+    result: dict = {"args": vars(args), "threads": torch.get_num_threads(), "peak_rss_mb": 0.0,
+                    "weights": {k: v for k, v in llm.get_metrics().items() if k.endswith("weight_bytes")}}
     ttft, gaps = mmkit_batch1(llm, reqs, size)
     result["mmkit_batch1"] = {"ttft_s": common.percentiles(ttft), "tpot_s": common.percentiles(gaps)}
     if hf is not None:
@@ -152,6 +153,8 @@ def main() -> None:
     if not args.skip_load:
         load = common.make_workload("mixed", args.load_requests, seed=2)
         result["mmkit_load"] = mmkit_under_load(llm, load, size, args.rate)
+
+    result["peak_rss_mb"] = common.peak_rss_mb()
 
     def fmt(d):
         return " ".join(f"{k}={1e3 * v:.1f}ms" for k, v in d.items())

@@ -29,6 +29,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and sampling")
     g.add_argument("--model", default=None, help="checkpoint folder or cached model id (default: the embedded model)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default)")
@@ -98,7 +100,7 @@ def _make_llm(args):
         torch.set_num_threads(args.threads)
     from mmkit import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
     print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -226,7 +228,8 @@ def cmd_eval_ray(args) -> int:
     try:
         summary = run_ray_evaluation(
             data, results, model=args.model, sampling_params=_params(args),
-            engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed},
+            engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
+                         "quantization": args.quantization},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
             max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)

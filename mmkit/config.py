@@ -54,6 +54,9 @@ class ModelConfig:
     # Each decoder layer's sliding attention window in tokens, None for a global layer (read
     # from the HF config as transformers does: mmkit/layers/sliding_window.py).
     layer_sliding_windows: tuple[int | None, ...] = ()
+    # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
+    # the online method asked for; None = the checkpoint's floats in `dtype`.
+    quantization: Any = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -126,6 +129,10 @@ class EngineArgs:
     # `preprocess_lookahead` images of queued requests ahead of scheduling.
     async_preprocess: bool = True
     preprocess_lookahead: int = 16
+    # Online weight-only quantization of the decoder's linear layers: "int8" or "int4" (None:
+    # none; a compressed-tensors checkpoint is detected from its config without this).
+    quantization: str | None = None
+    quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
 
     def create_engine_config(self) -> EngineConfig:
         from mmkit.plugins import load_plugins
@@ -260,11 +267,15 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
 
     from transformers import AutoConfig
 
+    from mmkit.models.quantization import QuantizationSpec
+
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     architecture = ModelRegistry.architecture_of(hf_config)
     # What the family declares (mmkit.models.interfaces.SupportsMultiModal); generic code
     # never looks at the family's own config fields.
     model_cls = ModelRegistry.resolve(architecture)[0]
+    # Checked here, before any weight is read: an unsupported method fails with its name.
+    quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
     text = hf_config.get_text_config()
     device = resolve_device(args.device)
     derived_len = int(getattr(text, "max_position_embeddings", 2048) or 2048)
@@ -290,6 +301,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         image_token_id=image_token_id,
         image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
         layer_sliding_windows=tuple(layer_windows(text)),
+        quantization=quantization,
     )
 
 

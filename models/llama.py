@@ -15,6 +15,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
+from mmkit.layers.quantized_linear import fuse_quantized
 from mmkit.layers import cpu_kernels
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
@@ -148,7 +149,12 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+def _fuse_linears(linears: list[nn.Module]) -> nn.Module:
+    if not all(type(m) is Linear for m in linears):  # quantized projections (mmkit/layers/quantized_linear.py)
+        fused_q = fuse_quantized(linears)
+        if fused_q is None:
+            raise ValueError("model: q/k/v (or gate/up) projections are quantized differently; mmkit fuses them")
+        return fused_q
     first = linears[0]
     fused = Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)

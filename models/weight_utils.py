@@ -47,7 +47,8 @@ def _open_safetensors(file: Path):
 
 
 def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_mapper: KeyMapper,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 quant_loader=None) -> None:
     """Copy checkpoint tensors into `model`; error on anything missing.
 
     A parameter on the meta device (built under `meta_init.meta_parameters()`) is created here,
@@ -55,13 +56,16 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
     float32 build-then-cast path gives (see `_cast_as_built`); one with storage gets the
     checkpoint tensor copied in (converted to its dtype), as do buffers. `key_mapper` turns
     checkpoint keys into `model`'s names (see checkpoint_keys.py); the errors name the keys as
-    the checkpoint spells them."""
+    the checkpoint spells them. `quant_loader` (a `CompressedTensorsLoader`) takes the tensors of
+    quantized modules and replaces those modules after the stream."""
     params = dict(model.state_dict(keep_vars=True))
     holders = _parameter_holders(model)
     materialized: dict[int, nn.Parameter] = {}  # id(meta Parameter) -> its real replacement
     loaded: set[str] = set()
     unexpected: list[str] = []
     for key, name, tensor in iterate_weights(path, key_mapper):
+        if quant_loader is not None and quant_loader.claims(key, name, tensor):
+            continue
         target = params.get(name)
         if target is None:
             if not name.endswith(_IGNORED_SUFFIXES):
@@ -87,6 +91,8 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
             else:
                 target.data.copy_(tensor.to(target.dtype))
         loaded.add(name)
+    if quant_loader is not None:
+        loaded.update(quant_loader.install(model, dtype, device))
     missing = [n for n in params if n not in loaded and not n.endswith(_IGNORED_SUFFIXES)]
     if tie_word_embeddings:  # the LM head is the token embedding (tied after loading)
         missing = [n for n in missing if n != "lm_head.weight"]
@@ -157,7 +163,13 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
     transformers loads), the LM head tied when the config says so, then the decoder's
     projections fused. Meta parameters are created in `dtype` on `device` (`load_weights`)."""
     mapper = transformers_key_mapper(model.config, transformers_class_name(type(model)))
-    load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device)
+    spec = getattr(model, "quantization", None)  # set by the model loader (models/quantization.py)
+    quant_loader = None
+    if spec is not None and spec.method == "compressed-tensors":
+        from mmkit.models.compressed_tensors_loader import CompressedTensorsLoader
+
+        quant_loader = CompressedTensorsLoader(spec)
+    load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device, quant_loader)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
     params, buffers = meta_tensor_names(model)

@@ -267,7 +267,18 @@ class LLMEngine:
         metrics["encoder_cache_misses"] = self.encoder_cache_manager.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
+        metrics.update(self._weight_bytes())
         return metrics
+
+    def _weight_bytes(self) -> dict[str, int]:
+        """Bytes of every weight held (scales and zero points included) and of the decoder's
+        linear layers alone; fixed after load, computed once."""
+        if getattr(self, "_weight_bytes_cache", None) is None:
+            from mmkit.models.quantization import weight_bytes
+
+            total, decoder = weight_bytes(self.model_runner.model)
+            self._weight_bytes_cache = {"model_weight_bytes": total, "decoder_linear_weight_bytes": decoder}
+        return dict(self._weight_bytes_cache)
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> tuple[int, ...]:

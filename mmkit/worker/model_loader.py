@@ -17,6 +17,7 @@ from torch import nn
 
 from mmkit.config import ModelConfig
 from mmkit.models.meta_init import meta_parameters, meta_tensor_names
+from mmkit.models.quantization import ONLINE_METHODS, quantize_decoder_linears
 from mmkit.models.registry import ModelRegistry
 
 
@@ -41,7 +42,10 @@ def load_model(mc: ModelConfig) -> nn.Module:
     if buffers:  # pragma: no cover - a family computing a buffer from a parameter in __init__
         raise RuntimeError(f"model: buffers {buffers[:5]} of {mc.architecture} were built on the meta device "
                            f"(computed from parameters at construction); they would hold no values")
+    model.quantization = mc.quantization  # read by load_vlm_checkpoint (compressed-tensors layers)
     model.load_checkpoint(Path(mc.path), dtype=mc.dtype, device=mc.device)
+    if mc.quantization is not None and mc.quantization.method in ONLINE_METHODS:
+        quantize_decoder_linears(model, mc.quantization)
     # Parameters are already in mc.dtype: this casts the buffers (as before the meta build).
     model = model.to(dtype=mc.dtype).eval()
     model.prepare_for_inference()

@@ -214,7 +214,8 @@ def build_engine_args(args: Any):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer)
+        enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
+        quantization=getattr(args, "quantization", None))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return EngineArgs(**kwargs)

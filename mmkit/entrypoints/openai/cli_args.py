@@ -24,6 +24,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) clients use as `model` (default: --model, or 'default-model')")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")

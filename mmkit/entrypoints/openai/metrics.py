@@ -52,6 +52,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("mmkit:kv_blocks_used", "KV cache blocks held by live requests.", total - free)
         yield GaugeMetricFamily("mmkit:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                                 (total - free) / total if total else 0.0)
+        for key, doc in (("model_weight_bytes", "Bytes of every weight held (quantization scales included)."),
+                         ("decoder_linear_weight_bytes", "Bytes of the decoder's linear layers' weights.")):
+            if key in stats:
+                yield GaugeMetricFamily(f"mmkit:{key}", doc, stats[key])
         for key, (name, doc) in _COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])

@@ -1,0 +1,133 @@
+"""Linear layers whose weights stay quantized in memory: int8 / int4 weight-only and FP8.
+
+`QuantizedLinear` keeps a `QuantizedWeight` (integers + float32 scales/zeros) and computes
+x @ w'^T with w' = (q - z) * s:
+- CPU, float32/bf16 activations, at most `KERNEL_MAX_ROWS` rows (decode): the C kernel
+  (`csrc/quant_gemm_cpu.c`) reads the integers directly: 1/2 (int8) or 1/4 (int4) of bf16's bytes.
+- otherwise (prefill's large batches, CUDA, no compiler): the weight is dequantized for the call
+  (float32 formula, then cast) and `F.linear` runs on it (dequantize-on-the-fly per layer).
+`Fp8Linear` keeps float8_e4m3fn weights with per-row scales; with dynamic per-token activations
+the input is first rounded as compressed-tensors does: s_x = max|x_row| / 448,
+x' = e4m3(x / s_x) * s_x.
+
+The quantized tensors are plain attributes, not parameters/buffers: `model.to(dtype)` must not
+cast float32 scales or float8 weights to the engine dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmkit.layers import cpu_kernels
+from mmkit.layers.quant_pack import QuantizedWeight, concat_rows
+
+KERNEL_MAX_ROWS = 16  # above this, a float GEMM on the dequantized weight is faster
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FP8_MAX = 448.0
+
+
+def _kernel():
+    lib = cpu_kernels.library()
+    if lib is None:
+        return None
+    fn = lib.mmkit_quant_gemm
+    if fn.argtypes is None:
+        p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, p, i64, i64, i64, i, p, i, p, p, i64, i]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def quant_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
+    """x [M, K] (float32/bf16, CPU) @ w'^T -> [M, N] in x's dtype; None when the kernel cannot run."""
+    fn = _kernel()
+    if (fn is None or x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.dim() != 2
+            or w.qweight.device.type != "cpu"):
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, w.out_features), dtype=x.dtype)
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    status = fn(out.data_ptr(), x.data_ptr(), m, k, w.out_features, _KERNEL_DTYPES[x.dtype], w.qweight.data_ptr(),
+                w.bits, w.scales.data_ptr(), zeros, w.group_size, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("mmkit: the quantized GEMM kernel could not allocate its scratch buffer")
+    return out
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ ((q - z) * s)^T + b with integer q kept in memory (see the module docstring)."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.in_features, self.out_features = qweight.in_features, qweight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def weight_nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.qweight.nbytes() + bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = None
+        if flat.shape[0] <= KERNEL_MAX_ROWS:
+            out = quant_gemm(flat, self.qweight)
+            if out is not None and self.bias is not None:
+                out += self.bias
+        if out is None:
+            out = F.linear(flat, self.qweight.dequantize(flat.dtype).to(flat.device), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Fp8Linear(nn.Module):
+    """FP8 weights (float8_e4m3fn [N, K], float32 scales [N, 1]); optional dynamic per-token
+    FP8 activations. Computed in the activation dtype on the dequantized weight."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dynamic_activations: bool) -> None:
+        super().__init__()
+        self.weight_fp8 = weight.contiguous()
+        self.scales = scales.float().reshape(weight.shape[0], -1).contiguous()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dynamic_activations = dynamic_activations
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def weight_nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight_fp8.numel() + self.scales.numel() * 4 + bias
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight_fp8.float() * self.scales).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dynamic_activations:
+            x = fp8_per_token_round_trip(x)
+        return F.linear(x, self.dequantize(x.dtype).to(x.device), self.bias)
+
+
+def fp8_per_token_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through e4m3 per token as compressed-tensors does (scale = max|x| / 448, in x's
+    dtype; an all-zero row gets the dtype's eps)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = amax / _FP8_MAX
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(x.dtype).eps), scale)
+    q = torch.clamp(x / scale, -_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.to(x.dtype) * scale
+
+
+def fuse_quantized(parts: list[nn.Module]) -> nn.Module | None:
+    """One layer for row-concatenated projections ([q; k; v], [gate; up]), or None when they are
+    not all `QuantizedLinear` / all `Fp8Linear` alike (the caller then keeps them separate)."""
+    biases = [p.bias for p in parts]
+    bias = None if biases[0] is None else torch.cat(biases)
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return QuantizedLinear(concat_rows([p.qweight for p in parts]), bias)
+    if all(isinstance(p, Fp8Linear) for p in parts) and len({p.dynamic_activations for p in parts}) == 1:
+        return Fp8Linear(torch.cat([p.weight_fp8 for p in parts]), torch.cat([p.scales for p in parts]), bias,
+                         parts[0].dynamic_activations)
+    return None
