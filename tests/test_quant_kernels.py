@@ -4,6 +4,7 @@ the AVX-512 build and the portable one (MMKIT_KERNEL_GENERIC=1, in a child proce
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -48,7 +49,9 @@ def test_layer_uses_dequantized_gemm_for_large_batches():
 
 
 def test_portable_build_agrees(tmp_path):
-    code = ("import torch; from tests.test_quant_kernels import test_kernel_matches_reference as t; "
+    # The test module by its own folder: another installed package may own the name `tests`.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import torch; from test_quant_kernels import test_kernel_matches_reference as t; "
             "from mmkit.layers import cpu_kernels; assert not cpu_kernels.has_avx512(); "
             "[t(d, r) for d in (torch.float32, torch.bfloat16) for r in (1, 5)]")
     env = {**os.environ, "MMKIT_KERNEL_GENERIC": "1", "MMKIT_REQUIRE_CPU_KERNELS": "1"}
