@@ -224,21 +224,23 @@ def _one_openmp_thread() -> None:
     import torch
 
     torch.get_num_threads()  # torch's own per-thread set-up first: it would overwrite ours
-    library = _loaded_openmp_library()
-    if library is not None:
+    # NOTE: every loaded runtime, not one: other wheels (scikit-learn, opencv) bring their own
+    # libgomp copies, and which one torch's ops use cannot be told from the path.
+    for library in _loaded_openmp_libraries():
         library.omp_set_num_threads(1)
 
 
-def _loaded_openmp_library() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (GNU or Intel), or None where it cannot be found."""
+def _loaded_openmp_libraries() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes loaded in this process (GNU or Intel); empty where none is found."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libgomp" in line or "/libiomp" in line}
     except OSError:
-        return None
+        return []
+    libraries = []
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path)
+            libraries.append(ctypes.CDLL(path))
         except OSError:
             continue
-    return None
+    return libraries
