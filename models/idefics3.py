@@ -22,6 +22,7 @@ from torch import nn
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
 from mmkit.models.span_embeds import span_embeddings
+from mmkit.models.registry import check_text_model, ties_word_embeddings
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 SUPPORTED_TEXT_MODELS = ("llama",)
@@ -42,16 +43,12 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.connector = connector_cls(config)
         self.text_model = LlamaModel(text, max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
-                                        or getattr(text, "tie_word_embeddings", False))
+        self.tie_word_embeddings = ties_word_embeddings(config)
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
         """A Llama decoder (what every released checkpoint of the family has)."""
-        text_type = getattr(hf_config.get_text_config(), "model_type", None)
-        if text_type not in SUPPORTED_TEXT_MODELS:
-            raise ValueError(f"model: {cls.__name__} with a {text_type!r} language model is not supported; "
-                             f"supported language models: {list(SUPPORTED_TEXT_MODELS)}")
+        check_text_model(cls.__name__, hf_config, SUPPORTED_TEXT_MODELS)
 
     @staticmethod
     def _hf_classes():

@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, pack_linears
-from mmkit.models.registry import SUPPORTED_TEXT_MODELS, text_model_class
+from mmkit.models.registry import check_text_model, text_model_class, ties_word_embeddings
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -59,10 +59,7 @@ class InternVLForConditionalGeneration(DecoderLMMixin, nn.Module):
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
         """The decoder must be one mmkit computes exactly; the tower is InternViT."""
-        text_type = getattr(hf_config.get_text_config(), "model_type", None)
-        if text_type not in SUPPORTED_TEXT_MODELS:
-            raise ValueError(f"model: {cls.__name__} with a {text_type!r} language model is not supported; "
-                             f"supported language models: {list(SUPPORTED_TEXT_MODELS)}")
+        check_text_model(cls.__name__, hf_config)
         vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
         if vision_type != "internvl_vision":
             raise ValueError(f"model: {cls.__name__} with a {vision_type!r} vision tower is not supported; "
@@ -76,9 +73,7 @@ class InternVLForConditionalGeneration(DecoderLMMixin, nn.Module):
         text = config.text_config
         self.language_model = text_model_class(text)(text, max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(
-            getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
-        )
+        self.tie_word_embeddings = ties_word_embeddings(config)
 
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> None:

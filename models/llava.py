@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, pack_linears
-from mmkit.models.registry import SUPPORTED_TEXT_MODELS, text_model_class
+from mmkit.models.registry import check_text_model, text_model_class, ties_word_embeddings
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -45,12 +45,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
     def check_config(cls, hf_config: Any) -> None:
         """A composite of parts mmkit computes exactly: the decoder and the vision tower."""
         arch = (getattr(hf_config, "architectures", None) or [cls.__name__])[0]
-        text_type = getattr(hf_config.get_text_config(), "model_type", None)
-        if text_type not in SUPPORTED_TEXT_MODELS:
-            raise ValueError(
-                f"model: {arch} with a {text_type!r} language model is not supported; supported "
-                f"language models: {list(SUPPORTED_TEXT_MODELS)}"
-            )
+        check_text_model(arch, hf_config)
         vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
         if vision_type not in SUPPORTED_VISION_MODELS:
             raise ValueError(
@@ -77,9 +72,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.language_model = text_model_class(config.text_config)(config.text_config, max_positions)
         text = config.text_config
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(
-            getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)
-        )
+        self.tie_word_embeddings = ties_word_embeddings(config)
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,

@@ -20,6 +20,7 @@ from transformers import AutoModel
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaModel, pack_linears
 from mmkit.models.span_embeds import span_embeddings
+from mmkit.models.registry import check_text_model, ties_word_embeddings
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 SUPPORTED_TEXT_MODELS = ("mistral", "llama")
@@ -58,18 +59,16 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.multi_modal_projector = Mistral3MultiModalProjector(config)
         self.language_model = LlamaModel(text, max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
-                                        or getattr(text, "tie_word_embeddings", False))
+        self.tie_word_embeddings = ties_word_embeddings(config)
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
         """A Mistral / Llama decoder behind the Pixtral tower (what mmkit computes exactly)."""
-        text_type = getattr(hf_config.get_text_config(), "model_type", None)
+        check_text_model(cls.__name__, hf_config, SUPPORTED_TEXT_MODELS)
         vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
-        if text_type not in SUPPORTED_TEXT_MODELS or vision_type != "pixtral":
-            raise ValueError(f"model: Mistral3ForConditionalGeneration with a {text_type!r} language model and a "
-                             f"{vision_type!r} vision tower is not supported; supported: "
-                             f"{list(SUPPORTED_TEXT_MODELS)} decoders with the 'pixtral' tower")
+        if vision_type != "pixtral":
+            raise ValueError(f"model: {cls.__name__} with a {vision_type!r} vision tower is not supported; "
+                             "expected 'pixtral'")
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,

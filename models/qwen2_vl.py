@@ -18,6 +18,7 @@ from torch import nn
 from mmkit.models.interfaces import DecoderLMMixin
 from mmkit.models.llama import Linear, pack_linears
 from mmkit.models.qwen2 import Qwen2Model
+from mmkit.models.registry import ties_word_embeddings
 from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
@@ -38,8 +39,7 @@ class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
         # temporal rows (t * tokens_per_second * seconds per grid); the table keeps headroom.
         self.language_model = self._build_decoder(text, 2 * max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
-                                        or getattr(text, "tie_word_embeddings", False))
+        self.tie_word_embeddings = ties_word_embeddings(config)
         # float32 buffers of the tower (rotary inv_freq), kept across the engine's dtype cast.
         self._fp32_buffers = {id(m): {n: b.detach().clone() for n, b in m.named_buffers(recurse=False)
                                       if b.dtype == torch.float32} for m in self.visual.modules()}

@@ -146,6 +146,22 @@ def text_model_class(text_config: Any):
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def check_text_model(architecture: str, hf_config: Any,
+                     supported: tuple[str, ...] = SUPPORTED_TEXT_MODELS) -> None:
+    """A composite family's decoder must be one mmkit computes exactly (`supported`: the HF
+    `model_type`s of text_config the family accepts; default every decoder mmkit has)."""
+    text_type = getattr(hf_config.get_text_config(), "model_type", None)
+    if text_type not in supported:
+        raise ValueError(f"model: {architecture} with a {text_type!r} language model is not supported; "
+                         f"supported language models: {list(supported)}")
+
+
+def ties_word_embeddings(config: Any) -> bool:
+    """Whether the LM head shares the embedding matrix (set on the composite or on its text_config)."""
+    return bool(getattr(config, "tie_word_embeddings", False)
+                or getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 # Built-in families: one line per architecture, registered through the public call.
 _register = ModelRegistry.register_model
 # LLaVA (models/llava.py, processors/llava.py)

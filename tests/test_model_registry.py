@@ -165,3 +165,21 @@ def test_builtin_families_register_through_the_public_call():
     source = (Path(__file__).parents[1] / "models" / "registry.py").read_text()
     for arch in ModelRegistry.get_supported_archs():
         assert f'_register("{arch}",' in source
+
+
+@pytest.mark.parametrize("config_name, arch, supported", [
+    ("LlavaConfig", "LlavaForConditionalGeneration", "['llama', 'mistral', 'qwen2', 'qwen3']"),
+    ("InternVLConfig", "InternVLForConditionalGeneration", "['llama', 'mistral', 'qwen2', 'qwen3']"),
+    ("Mistral3Config", "Mistral3ForConditionalGeneration", "['mistral', 'llama']"),
+    ("Idefics3Config", "Idefics3ForConditionalGeneration", "['llama']"),
+])
+def test_unsupported_decoder_names_architecture_and_supported_ones(config_name, arch, supported):
+    """Every composite family refuses a decoder mmkit does not compute, with one message form."""
+    import transformers
+
+    config = getattr(transformers, config_name)(text_config={"model_type": "gemma"})
+    config.architectures = [arch]
+    with pytest.raises(ValueError) as err:
+        ModelRegistry.architecture_of(config)
+    assert str(err.value) == (f"model: {arch} with a 'gemma' language model is not supported; "
+                              f"supported language models: {supported}")
