@@ -19,29 +19,22 @@ import torch
 from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
+from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.spans import SpanItem, checked_token_ids, count_error, expand_spans
 from mmkit.video_inputs import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
-ALLOWED_MM_PROCESSOR_KWARGS = ("do_image_splitting", "size")
+def _is_longest_edge(size: Any) -> bool:
+    return isinstance(size, Mapping) and list(size) == ["longest_edge"] and is_positive_int(size["longest_edge"])
+
+
+ALLOWED_MM_PROCESSOR_KWARGS = {"do_image_splitting": BOOL,
+                               "size": OptionRule(_is_longest_edge, "{'longest_edge': <positive int>}")}
 
 
 def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"{where}: got {type(kwargs).__name__}; expected a dict like {{'do_image_splitting': False}}")
-    unknown = [k for k in kwargs if k not in ALLOWED_MM_PROCESSOR_KWARGS]
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; expected only {list(ALLOWED_MM_PROCESSOR_KWARGS)}")
-    if "do_image_splitting" in kwargs and not isinstance(kwargs["do_image_splitting"], bool):
-        raise ValueError(f"{where}['do_image_splitting']: got {kwargs['do_image_splitting']!r}; expected True or False")
-    if "size" in kwargs:
-        size = kwargs["size"]
-        edge = size.get("longest_edge") if isinstance(size, Mapping) and list(size) == ["longest_edge"] else None
-        if isinstance(edge, bool) or not isinstance(edge, int) or edge <= 0:
-            raise ValueError(f"{where}['size']: got {size!r}; expected {{'longest_edge': <positive int>}}")
-    return dict(kwargs)
+    return check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'do_image_splitting': False}")
 
 
 class Idefics3InputProcessor:

@@ -21,31 +21,18 @@ from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.internvl import tokens_per_tile
 from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max
+from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.llava import LlavaInputProcessor
 
-ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": int, "max_patches": int, "crop_to_patches": bool}
+ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": POSITIVE_INT, "max_patches": POSITIVE_INT, "crop_to_patches": BOOL}
 _LAYOUT_PREFIX = "internvl_tiling="
 
 
 def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"{where}: got {type(kwargs).__name__}; expected a dict like {{'max_patches': 6}}")
-    unknown = [k for k in kwargs if k not in ALLOWED_MM_PROCESSOR_KWARGS]
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; expected only {list(ALLOWED_MM_PROCESSOR_KWARGS)}")
-    for key, value in kwargs.items():
-        kind = ALLOWED_MM_PROCESSOR_KWARGS[key]
-        ok = isinstance(value, bool) if kind is bool else (
-            isinstance(value, int) and not isinstance(value, bool) and value > 0)
-        if not ok:
-            raise ValueError(f"{where}['{key}']: got {value!r}; expected "
-                             f"{'True or False' if kind is bool else 'a positive integer'}")
-    if kwargs.get("min_patches", 1) > kwargs.get("max_patches", float("inf")):
-        raise ValueError(f"{where}: got min_patches={kwargs['min_patches']} > max_patches={kwargs['max_patches']}; "
-                         "expected min_patches <= max_patches")
-    return dict(kwargs)
+    checked = check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'max_patches': 6}")
+    check_min_le_max(where, checked, "min_patches", "max_patches")
+    return checked
 
 
 class InternVLInputProcessor(LlavaInputProcessor):

@@ -21,10 +21,12 @@ from mmkit.inputs import ImageItem, ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
+from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.video_inputs import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
-ALLOWED_MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels", "fps")
+ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}
 _MODALITY_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids values
 
 
@@ -55,24 +57,9 @@ class VisionItem:
 
 
 def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"{where}: got {type(kwargs).__name__}; expected a dict like {{'max_pixels': 200704}}")
-    unknown = [k for k in kwargs if k not in ALLOWED_MM_PROCESSOR_KWARGS]
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; expected only {list(ALLOWED_MM_PROCESSOR_KWARGS)}")
-    for key, value in kwargs.items():
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-        if key != "fps":
-            ok = ok and isinstance(value, int)
-        if not ok:
-            raise ValueError(f"{where}['{key}']: got {value!r}; expected a positive "
-                             f"{'number' if key == 'fps' else 'integer'}")
-    if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", float("inf")):
-        raise ValueError(f"{where}: got min_pixels={kwargs['min_pixels']} > max_pixels={kwargs['max_pixels']}; "
-                         "expected min_pixels <= max_pixels")
-    return dict(kwargs)
+    checked = check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'max_pixels': 200704}")
+    check_min_le_max(where, checked, "min_pixels", "max_pixels")
+    return checked
 
 
 class Qwen2VLInputProcessor:
