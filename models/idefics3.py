@@ -12,7 +12,6 @@ own `get_image_features` run on mmkit's modules, so the tile handling is the ref
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar, Sequence
 
@@ -20,10 +19,9 @@ import torch
 from torch import nn
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
-from mmkit.models.llama import Linear, LlamaModel, pack_linears
+from mmkit.models.llama import Linear, LlamaModel
 from mmkit.models.span_embeds import span_embeddings
 from mmkit.models.registry import check_text_model, ties_word_embeddings
-from mmkit.models.weight_utils import load_vlm_checkpoint
 
 SUPPORTED_TEXT_MODELS = ("llama",)
 
@@ -61,15 +59,6 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
     def language_model(self) -> LlamaModel:
         """The decoder under the name the shared code uses (transformers calls it `text_model`)."""
         return self.text_model
-
-    # ------------------------------------------------------------------ loading
-    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> None:
-        load_vlm_checkpoint(self, path, dtype, device)
-
-    def prepare_for_inference(self) -> int:
-        self.text_model.rotary.float()
-        return pack_linears(self.text_model, release_weights=True) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod

@@ -207,6 +207,23 @@ class DecoderLMMixin:
         the image (the processor asks `get_num_placeholder_tokens` per item)."""
         return None
 
+    def load_checkpoint(self, path: Any, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> None:
+        """Meta parameters (see models/meta_init.py) are created in `dtype` on `device`."""
+        from mmkit.models.weight_utils import load_vlm_checkpoint
+
+        load_vlm_checkpoint(self, path, dtype, device)
+
+    def prepare_for_inference(self) -> int:
+        """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and
+        LM head). Returns the number of packed linears (0 on CUDA and in float32)."""
+        from mmkit.models.llama import pack_linears
+
+        self.language_model.rotary.float()  # the table stays float32 (cast per use), like HF
+        # The decoder's weights live only in packed form (their row-major copies are dropped);
+        # the LM head keeps its weight: it may be the token embedding (tied).
+        return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)
 

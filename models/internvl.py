@@ -9,7 +9,6 @@ T * rows_per_tile and depends on its size and on the tiling options.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar, Sequence
 
@@ -19,9 +18,8 @@ from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
-from mmkit.models.llama import Linear, pack_linears
+from mmkit.models.llama import Linear
 from mmkit.models.registry import check_text_model, text_model_class, ties_word_embeddings
-from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -74,14 +72,6 @@ class InternVLForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.language_model = text_model_class(text)(text, max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = ties_word_embeddings(config)
-
-    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> None:
-        load_vlm_checkpoint(self, path, dtype, device)
-
-    def prepare_for_inference(self) -> int:
-        self.language_model.rotary.float()  # the table stays float32 (cast per use), like HF
-        return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod

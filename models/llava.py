@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -11,9 +10,8 @@ from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
-from mmkit.models.llama import Linear, pack_linears
+from mmkit.models.llama import Linear
 from mmkit.models.registry import check_text_model, text_model_class, ties_word_embeddings
-from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -73,20 +71,6 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         text = config.text_config
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = ties_word_embeddings(config)
-
-    # ------------------------------------------------------------------ loading
-    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> None:
-        """Meta parameters (see models/meta_init.py) are created in `dtype` on `device`."""
-        load_vlm_checkpoint(self, path, dtype, device)
-
-    def prepare_for_inference(self) -> int:
-        """After the final `.to(dtype, device)`: pre-pack bf16 CPU matmul weights (decoder and
-        LM head). Returns the number of packed linears (0 on CUDA and in float32)."""
-        self.language_model.rotary.float()  # the table stays float32 (cast per use), like HF
-        # The decoder's weights live only in packed form (their row-major copies are dropped);
-        # the LM head keeps its weight: it may be the token embedding (tied).
-        return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod

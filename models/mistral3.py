@@ -10,7 +10,6 @@ token (`models/span_embeds.py`). A decoder config with `sliding_window` follows
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -18,10 +17,9 @@ from torch import nn
 from transformers import AutoModel
 
 from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
-from mmkit.models.llama import Linear, LlamaModel, pack_linears
+from mmkit.models.llama import Linear, LlamaModel
 from mmkit.models.span_embeds import span_embeddings
 from mmkit.models.registry import check_text_model, ties_word_embeddings
-from mmkit.models.weight_utils import load_vlm_checkpoint
 
 SUPPORTED_TEXT_MODELS = ("mistral", "llama")
 
@@ -71,18 +69,13 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
                              "expected 'pixtral'")
 
     # ------------------------------------------------------------------ loading
-    def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> None:
-        load_vlm_checkpoint(self, path, dtype, device)
-
     def prepare_for_inference(self) -> int:
-        self.language_model.rotary.float()
         # The tower's axial frequencies stay float32, as transformers keeps them (recomputed: the
         # engine's dtype cast rounded the buffer).
         rotary = self.vision_tower.patch_positional_embedding
         inv_freq = rotary.compute_axial_rope_parameters(self.config.vision_config)[0]
         rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
-        return pack_linears(self.language_model, release_weights=True) + pack_linears(self.lm_head)
+        return super().prepare_for_inference()
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod

@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
