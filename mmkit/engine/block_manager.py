@@ -182,12 +182,15 @@ class BlockManager:
             return 0
         first_needed = seq.num_computed_tokens - self.sliding_window + 1  # first key still read
         released = 0
-        for i in range(min(max(first_needed, 0) // self.block_size, len(seq.block_table))):
-            block_id = seq.block_table[i]
-            if block_id != NULL_BLOCK:
-                self._release(block_id)
-                seq.block_table[i] = NULL_BLOCK
-                released += 1
+        # NOTE: released blocks always form a prefix of the table (only this releases them, in
+        # order), so walk back from the window's start and stop at the first released one: the
+        # per-step cost is the blocks released now, not the sequence's length.
+        i = min(max(first_needed, 0) // self.block_size, len(seq.block_table)) - 1
+        while i >= 0 and seq.block_table[i] != NULL_BLOCK:
+            self._release(seq.block_table[i])
+            seq.block_table[i] = NULL_BLOCK
+            released += 1
+            i -= 1
         return released
 
     # ------------------------------------------------------------------ internals
