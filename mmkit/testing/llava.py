@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mmkit.testing.checkpoint_io import read_checkpoint, save_sharded
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -151,27 +153,9 @@ def rewrite_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2, ke
     4.x): `vision_tower.vision_model.*`, `language_model.model.*`, `language_model.lm_head.*`,
     `rope_theta` in the text config, fp16, sharded with an index. Another family passes its
     own hub key names (`key_fn`, default `hub_key`), dtype and writer version."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    renamed = {(key_fn or hub_key)(key): tensor.to(dtype).contiguous() for key, tensor in state.items()}
-    keys = sorted(renamed)
-    shards = [keys[i::num_shards] for i in range(num_shards)]
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: renamed[k] for k in shard}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    state = read_checkpoint(src, dst)
+    save_sharded({(key_fn or hub_key)(key): tensor.to(dtype) for key, tensor in state.items()}, dst, num_shards)
     config = json.loads((src / "config.json").read_text())
     for text in [config["text_config"]] + ([config["vision_config"]] if "vision_config" in config else []):
         rope = text.pop("rope_parameters", None) or {}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from mmkit.testing.checkpoint_io import read_checkpoint, save_sharded
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's chat template, cut to what the tests use (text, image and video parts).
@@ -120,39 +122,15 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, version: str = "2
     return out
 
 
-def save_sharded(state: dict, dst: Path, num_shards: int) -> None:
-    """`state` as `num_shards` safetensors files with the hub's index file."""
-    import json
-
-    from safetensors.torch import save_file
-
-    keys = sorted(state)
-    weight_map = {}
-    for i in range(num_shards):
-        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({k: state[k] for k in keys[i::num_shards]}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in keys[i::num_shards]})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
 def rewrite_qwen_hub_layout(src: str | Path, dst: str | Path, num_shards: int = 2) -> Path:
     """The same weights in the layout of the Qwen2-VL repos on the hub (`visual.*`, `model.layers.*`,
     `model.embed_tokens.*`, `lm_head.weight`), sharded with an index, and the hub's config.json
     form (transformers 4.4x: text fields at the top level, `rope_scaling: {"type": "mrope"}`,
     `rope_theta`, a vision config without `model_type` and with `in_chans`)."""
     import json
-    import shutil
-
-    from safetensors.torch import load_file
 
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    state = read_checkpoint(src, dst)
     renamed = {}
     for key, tensor in state.items():
         if key.startswith("model.visual."):

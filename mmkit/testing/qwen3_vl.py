@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer, save_sharded
+from mmkit.testing.checkpoint_io import read_checkpoint, save_sharded
+from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer
 
 
 def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False, text_layers: int = 3,
@@ -88,18 +89,9 @@ def rewrite_qwen3_hub_layout(src: str | Path, dst: str | Path, num_shards: int =
     `rope_theta` in the text config) and, for MoE, the experts transposed to `[E, H, 2I]` /
     `[E, I, H]`."""
     import json
-    import shutil
-
-    from safetensors.torch import load_file
 
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    state = read_checkpoint(src, dst)
     state = {k: (v.transpose(1, 2) if ".mlp.experts." in k else v).contiguous() for k, v in state.items()}
     save_sharded(state, dst, num_shards)
     config = json.loads((src / "config.json").read_text())
