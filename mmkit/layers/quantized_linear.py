@@ -5,7 +5,9 @@ x @ w'^T with w' = (q - z) * s:
 - CPU, float32/bf16 activations, at most `KERNEL_MAX_ROWS` rows (decode): the C kernel
   (`csrc/quant_gemm_cpu.c`) reads the integers directly: 1/2 (int8) or 1/4 (int4) of bf16's bytes.
 - otherwise (prefill's large batches, CUDA, no compiler): the weight is dequantized for the call
-  (float32 formula, then cast) and `F.linear` runs on it (dequantize-on-the-fly per layer).
+  (float32 formula, then cast; on CPU one C pass, `csrc/quant_dequant_cpu.c`) and `F.linear`
+  runs on it (dequantize-on-the-fly per layer: for a prefill of T rows the float GEMM's
+  2 N K T flops dwarf the N K dequantized values).
 `Fp8Linear` keeps float8_e4m3fn weights with per-row scales; with dynamic per-token activations
 the input is first rounded as compressed-tensors does: s_x = max|x_row| / 448,
 x' = e4m3(x / s_x) * s_x.
@@ -30,16 +32,32 @@ _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FP8_MAX = 448.0
 
 
-def _kernel():
+def _kernel(name: str = "mmkit_quant_gemm"):
+    """A kernel of csrc/quant_gemm_cpu.c / quant_dequant_cpu.c, or None (no compiler, disabled)."""
     lib = cpu_kernels.library()
     if lib is None:
         return None
-    fn = lib.mmkit_quant_gemm
+    fn = getattr(lib, name)
     if fn.argtypes is None:
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, p, i64, i64, i64, i, p, i, p, p, i64, i]
-        fn.restype = ctypes.c_int
+        if name == "mmkit_quant_gemm":
+            fn.argtypes, fn.restype = [p, p, i64, i64, i64, i, p, i, p, p, i64, i], ctypes.c_int
+        else:  # mmkit_quant_dequantize
+            fn.argtypes, fn.restype = [p, i, p, i, p, p, i64, i64, i64, i], None
     return fn
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """w' [N, K] in `dtype`: the C kernel on CPU for float32/bf16 (one pass, all threads,
+    bit-identical to `QuantizedWeight.dequantize`), else the torch formula."""
+    fn = _kernel("mmkit_quant_dequantize") if w.qweight.device.type == "cpu" and dtype in _KERNEL_DTYPES else None
+    if fn is None:
+        return w.dequantize(dtype)
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype)
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    fn(out.data_ptr(), _KERNEL_DTYPES[dtype], w.qweight.data_ptr(), w.bits, w.scales.data_ptr(), zeros,
+       w.out_features, w.in_features, w.group_size, torch.get_num_threads())
+    return out
 
 
 def quant_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
@@ -80,7 +98,7 @@ class QuantizedLinear(nn.Module):
             if out is not None and self.bias is not None:
                 out += self.bias
         if out is None:
-            out = F.linear(flat, self.qweight.dequantize(flat.dtype).to(flat.device), self.bias)
+            out = F.linear(flat, dequantize(self.qweight, flat.dtype).to(flat.device), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
