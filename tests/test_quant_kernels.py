@@ -13,7 +13,7 @@ import torch
 
 from mmkit.layers import cpu_kernels
 from mmkit.layers.quant_pack import from_int_values, quantize_int4, quantize_int8
-from mmkit.layers.quantized_linear import QuantizedLinear, dequantize, quant_gemm
+from mmkit.layers.quantized_linear import QuantizedLinear, dequantize, quant_gemm, quant_gemm_tiled
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
 
@@ -61,6 +61,24 @@ def test_kernel_matches_reference_wide(rows):
             ref = x.double() @ qw.dequantize().double().T
             out = quant_gemm(x, qw)
             assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()), (qw.group_size, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_tiled_kernel_matches_bf16_reference(rows):
+    """bf16 batches: the tiled kernel against F.linear on the bf16-rounded dequantized weight
+    (the products are exact, only the order of float32 sums differs); column counts that are not
+    a multiple of the tile's 8, int8 with zero points, int4 groups of 32 and 64."""
+    torch.manual_seed(3)
+    ws = _weights() + [quantize_int4(torch.randn(13, 64), 32), quantize_int8(torch.randn(21, 96))]
+    for qw in ws:
+        x = torch.randn(rows, qw.in_features).bfloat16()
+        out = quant_gemm_tiled(x, qw)
+        if out is None:
+            assert not cpu_kernels.has_avx512()
+            continue
+        ref = torch.nn.functional.linear(x.float(), qw.dequantize(torch.bfloat16).float())
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item()), (qw.bits, qw.group_size)
 
 
 def test_layer_uses_dequantized_gemm_for_large_batches():
