@@ -14,6 +14,7 @@ from mmkit.engine.llm_engine import LLMEngine
 from mmkit.errors import RequestFailedError
 from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
+from mmkit.multimodal import supported_modalities
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ class LLM:
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        allow_video = "video" in getattr(self.llm_engine.input_processor, "supported_modalities", ("image",))
+        allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 

@@ -82,9 +82,9 @@ class Idefics3InputProcessor:
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
         videos = []
         if parsed.video_data is not None:
-            if self.video_processor is None:
-                raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.name} takes images only (video "
-                                 "input is SmolVLM's: SmolVLMForConditionalGeneration); expected 'image'")
+            if self.video_processor is None:  # a SmolVLM checkpoint saved without its video processor
+                raise ValueError(f"{where}.multi_modal_data: got a 'video'; this checkpoint's processor has no "
+                                 "video processor")
             if getattr(self.video_processor, "do_sample_frames", False):
                 # NOTE: transformers refuses to sample given frames without their frame rate too.
                 raise ValueError(f"{where}.multi_modal_data['video']: this checkpoint's video processor samples "

@@ -26,6 +26,7 @@ from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
 from mmkit.inputs import ParsedPrompt, parse_prompt
 from mmkit.legacy import legacy_single_input
+from mmkit.multimodal import check_supported_modalities, supported_modalities
 from mmkit.outputs import RequestOutput
 from mmkit.processors import ProcessedPrompt, get_input_processor
 from mmkit.sampling_params import SamplingParams
@@ -89,7 +90,7 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
-        processed = self.input_processor.process(parsed)
+        processed = self.process_inputs(parsed)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
         if params.structured_outputs is not None:
             try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
@@ -97,6 +98,13 @@ class LLMEngine:
             except ValueError as exc:
                 raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): {exc}") from exc
         return processed, params
+
+    def process_inputs(self, parsed: ParsedPrompt) -> ProcessedPrompt:
+        """The family's processor on one parsed prompt, after the one generic refusal of a
+        modality it does not declare (`supported_modalities`)."""
+        check_supported_modalities(parsed, supported_modalities(self.input_processor),
+                                   self.config.model.architecture)
+        return self.input_processor.process(parsed)
 
     @property
     def structured_backend(self):
