@@ -12,9 +12,9 @@ from mmkit.chat import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.errors import RequestFailedError
-from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
 from mmkit.multimodal import supported_modalities
+from mmkit.multimodal.parse import PromptInputs, parse_inputs
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -71,8 +71,7 @@ class LLM:
                                       prompt_name=legacy_name)
         if inputs is None:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
-        prefetcher = self.llm_engine.prefetcher
-        parsed = parse_inputs(inputs, prefetcher.map if prefetcher is not None else map)
+        parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
         params_list = self._params_list(sampling_params, len(parsed))
         return self._run(parsed, params_list, use_tqdm)
 

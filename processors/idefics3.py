@@ -16,13 +16,14 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.spans import SpanItem, checked_token_ids, count_error, expand_spans
-from mmkit.video_inputs import parse_videos
+from mmkit.multimodal.video import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
 def _is_longest_edge(size: Any) -> bool:

@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.registry import get_model_class
 from mmkit.processors.base import ProcessedPrompt

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.llava import LlavaInputProcessor

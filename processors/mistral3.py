@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ParsedPrompt
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.models.mistral3 import Mistral3ForConditionalGeneration, merged_grid
 from mmkit.processors.base import ProcessedPrompt

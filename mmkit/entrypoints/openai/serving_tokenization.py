@@ -9,7 +9,7 @@ from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
-from mmkit.inputs import parse_prompt
+from mmkit.multimodal.parse import parse_prompt
 
 
 class OpenAIServingTokenization(OpenAIServingChat):
