@@ -188,22 +188,28 @@ def test_hub_layout_tied_softcapped_gives_the_same_ids(tmp_path):
 def test_sliding_window_16_image_inside_and_outside(tmp_path, monkeypatch):
     """Sliding layers with a 16-token window next to a global one, prompts far longer than the
     window: the image at the start (outside every later query's window) and near the end
-    (inside it); also chunked, and on the torch path."""
+    (inside it); also chunked, preempted, after a prefix-cache hit, and on the torch path."""
     path = build_tiny_checkpoint(ARCH, tmp_path / "sliding", seed=5, sliding_window=16)
     filler = " the quick brown fox jumps over the lazy dog" * 3
-    early = TURN.format(f"<start_of_image>{filler} What was in the image?")
+    early = TURN.format(f"<start_of_image>{filler} What is in the image?")
     late = TURN.format(f"{filler} Now look: <start_of_image>What is it?")
     cases = [(early, [IMG2], None), (late, [IMG1], None), (TURN.format(f"<start_of_image>{filler}<start_of_image>"),
                                                            [IMG3, IMG2], PAS)]
     refs = _refs(path, cases)
     inputs = [dict({"prompt": p, "multi_modal_data": {"image": ims}}, **({"mm_processor_kwargs": kw} if kw else {}))
               for p, ims, kw in cases]
-    for kwargs in ({}, {"max_num_batched_tokens": 8}):
+    for kwargs in ({}, {"max_num_batched_tokens": 8}, "preempt"):
+        if kwargs == "preempt":  # room for the longest request alone: the others are preempted
+            kwargs = {"num_kv_blocks": max(-(-(len(o.prompt_token_ids) + N) // 8) for o in outs) + 1, "block_size": 8}
         llm = LLM(str(path), dtype="float32", **kwargs)
         outs = llm.generate(inputs, greedy(), use_tqdm=False)
         assert llm.llm_engine.config.model.layer_sliding_windows == (16, None, 16)
         assert all(len(o.prompt_token_ids) > 64 for o in outs)
         assert [o.outputs[0].token_ids for o in outs] == refs, kwargs
+        if "num_kv_blocks" in kwargs:
+            assert llm.get_metrics()["num_preemptions"] > 0
+    # A second question after the image and the filler: the cache hit ends far past the window.
+    check_prefix_cache_hit(path, early, IMG2, greedy())
     monkeypatch.setitem(cpu_kernels._state, "lib", None)
     llm = LLM(str(path), dtype="float32", block_size=4)
     assert [o.outputs[0].token_ids for o in llm.generate(inputs, greedy(), use_tqdm=False)] == refs
@@ -246,3 +252,50 @@ def test_bf16_agrees_with_transformers_bf16(ckpt, device):
     rate = bf16_agreement(ckpt, device, inputs, refs)
     print(f"bf16 agreement gemma3 {device}: {rate:.1%}")
     assert rate >= 0.9
+
+
+def test_chat_renders_the_checkpoint_template(ckpt):
+    """LLM.chat with an image part: the checkpoint's template puts `<start_of_image>` there and
+    the result is transformers' for the rendered prompt."""
+    llm = LLM(str(ckpt), dtype="float32")
+    msg = [{"role": "user", "content": [{"type": "image", "image": IMG2}, {"type": "text", "text": "What is shown?"}]}]
+    out = llm.chat(msg, greedy(), use_tqdm=False)[0]
+    assert out.prompt.count("<start_of_image>") == 1 and out.prompt.endswith("<start_of_turn>model\n")
+    assert out.prompt_token_ids == hf_span_inputs(ckpt, out.prompt, [IMG2])["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == hf_greedy(ckpt, out.prompt, [IMG2])
+
+
+def test_unsupported_configs_are_refused_by_name():
+    import transformers
+
+    from mmkit.models.registry import ModelRegistry
+
+    def config(**text):
+        cfg = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text))
+        cfg.architectures = [ARCH]
+        return cfg
+
+    ModelRegistry.architecture_of(config())
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True .* is not supported"):
+        ModelRegistry.architecture_of(config(use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        ModelRegistry.architecture_of(config(attn_logit_softcapping=50.0))
+    llama = transformers.Gemma3Config(text_config=transformers.LlamaConfig())
+    llama.architectures = [ARCH]
+    with pytest.raises(ValueError, match=r"with a 'llama' language model is not supported; supported language "
+                                         r"models: \['gemma3_text'\]"):
+        ModelRegistry.architecture_of(llama)
+
+
+def test_generic_code_names_no_gemma():
+    """Gemma 3 plugs in through models/ and processors/ alone: the engine, the worker, the
+    config and the LLM never name it or its tokens."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "mmkit"
+    files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), root / "config.py", root / "llm.py"]
+    pattern = re.compile(r"gemma|siglip|start_of_image|soft_token|pan_and_scan", re.IGNORECASE)
+    named = [f"{f.relative_to(root)}:{i + 1}" for f in files
+             for i, line in enumerate(f.read_text().splitlines()) if pattern.search(line)]
+    assert len(files) > 10 and named == []
