@@ -148,8 +148,7 @@ class Gemma3InputProcessor:
         encoding = self.tokenizer(expanded[0])
         ranges: list[PlaceholderRange] = []
         for entry in offsets[0]:
-            start, end = entry["new_span"]
-            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            first, last = _token_bounds(encoding, *entry["new_span"])
             if ranges and first < ranges[-1].offset + ranges[-1].length:
                 raise ValueError(f"{where}: two {self.placeholder} placeholders share a token; separate them")
             ranges.append(PlaceholderRange(first, last - first + 1))
@@ -180,3 +179,11 @@ class Gemma3InputProcessor:
                              "were predicted; refusing to misalign the placeholders")
         return {"pixel_values": pixels, "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}
 
+
+def _token_bounds(encoding, start: int, end: int) -> tuple[int, int]:
+    """First and last token holding a character of [start, end) (a character no token holds,
+    e.g. whitespace a tokenizer drops, is skipped)."""
+    chars = range(start, end)
+    first = next(t for t in (encoding.char_to_token(c) for c in chars) if t is not None)
+    last = next(t for t in (encoding.char_to_token(c) for c in reversed(chars)) if t is not None)
+    return first, last
