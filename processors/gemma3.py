@@ -125,12 +125,17 @@ class Gemma3InputProcessor:
     def _num_crops(self, image: ImageItem, image_options: dict) -> int:
         if not image_options.get("do_pan_and_scan"):
             return 0
-        # The image processor's own crop rule on a shape-only tensor (stride 0: no pixels).
-        shape_only = torch.zeros(()).expand(1, 3, image.height, image.width)
-        crops = self.image_processor.pan_and_scan_batched(
-            shape_only, image_options["pan_and_scan_min_crop_size"], image_options["pan_and_scan_max_num_crops"],
-            image_options["pan_and_scan_min_ratio_to_activate"])
-        return len(crops)
+        # The image processor's own crop rule on a shape-only image (stride 0: no pixels): the
+        # torchvision backend's batched form, or the PIL backend's per-image one.
+        args = (image_options["pan_and_scan_min_crop_size"], image_options["pan_and_scan_max_num_crops"],
+                image_options["pan_and_scan_min_ratio_to_activate"])
+        batched = getattr(self.image_processor, "pan_and_scan_batched", None)
+        if batched is not None:
+            return len(batched(torch.zeros(()).expand(1, 3, image.height, image.width), *args))
+        import numpy as np
+
+        return len(self.image_processor.pan_and_scan(np.broadcast_to(np.zeros((), np.uint8),
+                                                                     (3, image.height, image.width)), *args))
 
     def _image_text(self, image: ImageItem, image_options: dict) -> str:
         return self.hf_processor.replace_image_token({"num_crops": [self._num_crops(image, image_options)]}, 0)
