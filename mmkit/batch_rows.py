@@ -153,7 +153,7 @@ def _image_sources(value: Any) -> list[Any]:
 def load_row_image(where: str, source: Any):
     """Decode one image inside the replica: bytes, a path, an http(s)/file/data URL, or any
     `scheme://` URI pyarrow can read (s3://, gs://, hdfs://, ...)."""
-    from mmkit.image_io import load_image, load_image_bytes
+    from mmkit.multimodal.image_io import load_image, load_image_bytes
 
     if isinstance(source, str) and "://" in source[:32] and not source.lower().startswith(_LOCAL_SCHEMES):
         import pyarrow.fs
@@ -175,7 +175,7 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
     Rows are admitted `max_in_flight` at a time (default: all), so at most that many rows'
     images are decoded at once; the engine batches the admitted rows continuously.
     """
-    from mmkit.inputs import parse_prompt
+    from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
     processor = engine.input_processor.hf_processor or llm.get_tokenizer()

@@ -19,7 +19,7 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     from tqdm.auto import tqdm
 
     from mmkit.errors import RequestFailedError
-    from mmkit.inputs import parse_prompt
+    from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
     ids = [f"cli-{i}" for i in range(len(inputs))]

@@ -267,7 +267,7 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     """
     from tqdm.auto import tqdm
 
-    from mmkit.inputs import parse_prompt
+    from mmkit.multimodal.parse import parse_prompt
 
     if retry_errors:
         results.drop({i for i, r in results.records.items() if r.get("error") is not None})

@@ -12,8 +12,9 @@ from mmkit.chat import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.errors import RequestFailedError
-from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
+from mmkit.multimodal import supported_modalities
+from mmkit.multimodal.parse import PromptInputs, parse_inputs
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -70,8 +71,7 @@ class LLM:
                                       prompt_name=legacy_name)
         if inputs is None:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
-        prefetcher = self.llm_engine.prefetcher
-        parsed = parse_inputs(inputs, prefetcher.map if prefetcher is not None else map)
+        parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
         params_list = self._params_list(sampling_params, len(parsed))
         return self._run(parsed, params_list, use_tqdm)
 
@@ -96,7 +96,7 @@ class LLM:
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        allow_video = "video" in getattr(self.llm_engine.input_processor, "supported_modalities", ("image",))
+        allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 

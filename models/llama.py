@@ -125,15 +125,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, hidden_act: str | None = None) -> None:
+        """`hidden_act`: the activation when the config names it otherwise (default `hidden_act`)."""
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
-        self.is_silu = config.hidden_act == "silu"
+        hidden_act = hidden_act or config.hidden_act
+        self.act = ACT2FN[hidden_act]
+        self.is_silu = hidden_act == "silu"
         self.gate_up_proj: nn.Linear | None = None
 
     @torch.no_grad()

@@ -17,14 +17,15 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
+from mmkit.multimodal.video import parse_videos
 from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
-from mmkit.video_inputs import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}
@@ -42,6 +43,14 @@ class VisionItem:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # effective mm_processor_kwargs
     time_interval: float = 1.0  # M-RoPE temporal step
     _hash: str | None = None
+
+    @property
+    def processor_options(self) -> dict[str, Any]:
+        return self.processor_kwargs
+
+    @property
+    def layout(self) -> str:
+        return ""  # one layout: the grid follows from the size and the options
 
     def content_hash(self) -> str:
         """SHA-256 over the modality, the processor options and every frame's pixels: the same

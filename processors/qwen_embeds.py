@@ -28,32 +28,40 @@ from typing import Any
 
 import torch
 
-from mmkit.hashing import embeds_content_hash
-from mmkit.inputs import ParsedPrompt
+from mmkit.multimodal.hashing import embeds_content_hash
+from mmkit.multimodal.parse import ParsedPrompt
 
 _FIELDS = ("image_grid_thw",)
 
 
 @dataclass
 class GivenEmbedsItem:
-    """An image given as embeddings, in the place of a `VisionItem` (processors/qwen2_vl.py):
-    its grid (for the placeholder and M-RoPE) and its rows."""
+    """An image given as embeddings (a `MultiModalItem`, in the place of processors/qwen2_vl.py's
+    `VisionItem`): its grid (for the placeholder and M-RoPE) and its rows."""
 
     grid_thw: tuple[int, int, int]  # patch grid before the 2x2 merge
     num_tokens: int  # t * h * w / merge^2
     embeds: torch.Tensor  # [num_tokens, width]
     modality: str = "image"
     frames: list = field(default_factory=list)  # none: the vision tower is skipped
-    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # none apply to given rows
     time_interval: float = 1.0  # M-RoPE temporal step (an image has one temporal patch)
     _hash: str | None = None
 
+    @property
+    def processor_options(self) -> dict[str, Any]:
+        return self.processor_kwargs
+
+    @property
+    def layout(self) -> str:
+        return "grid=" + "x".join(map(str, self.grid_thw))
+
     def content_hash(self) -> str:
-        """The rows and the grid: equal rows laid out on another grid get other positions,
-        so they must not share KV blocks."""
+        """The rows and the grid: equal rows laid out on another grid get other M-RoPE
+        positions, so they must not share KV blocks."""
         if self._hash is None:
-            grid = "x".join(map(str, self.grid_thw))
-            self._hash = hashlib.sha256(f"image_embeds:{grid}:{embeds_content_hash(self.embeds)}".encode()).hexdigest()
+            key = f"image_embeds:{self.layout}:{embeds_content_hash(self.embeds)}"
+            self._hash = hashlib.sha256(key.encode()).hexdigest()
         return self._hash
 
 

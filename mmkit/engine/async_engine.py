@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.errors import EngineDeadError
-from mmkit.inputs import parse_prompt
+from mmkit.multimodal.parse import parse_prompt
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -150,8 +150,7 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         """Stop the background loop and its worker thread."""
         self._shutdown = True
-        if self.engine.prefetcher is not None:
-            self.engine.prefetcher.shutdown()
+        self.engine.input_stage.shutdown()
         if self._loop_task is not None and not self._loop_task.done():
             self._loop_task.cancel()
         if self._worker is not None:

@@ -27,7 +27,7 @@ from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from mmkit.hashing import update_block_hashes
+from mmkit.engine.block_hashes import update_block_hashes
 from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
 
 
@@ -65,7 +65,8 @@ class StepUpdate:
 
 
 class PreprocessTracker(Protocol):
-    """What the scheduler asks the engine's image prefetcher (mm_prefetcher.py)."""
+    """What the scheduler asks the engine's input stage (mmkit/multimodal/stage.py) when it
+    prepares items ahead on worker threads."""
 
     def is_ready(self, request_id: str) -> bool:
         """Every image of the request is prepared (or never was the tracker's)."""
@@ -79,7 +80,8 @@ class PreprocessTracker(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0) -> None:
+                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0,
+                 preprocess: PreprocessTracker | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
@@ -94,9 +96,9 @@ class Scheduler:
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
         self._plan: StepPlan | None = None
-        # The engine's image prefetcher (see `PreprocessTracker`); None: images are processed
-        # when the runner reaches them.
-        self.preprocess: PreprocessTracker | None = None
+        # The engine's input stage when it prefetches (see `PreprocessTracker`); None: items are
+        # processed when the runner reaches them.
+        self.preprocess = preprocess
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, group: SequenceGroup) -> None:

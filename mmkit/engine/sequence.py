@@ -126,7 +126,7 @@ class SequenceGroup:
 
     def get_image_hashes(self) -> list[str]:
         if self.image_hashes is None:
-            from mmkit.hashing import embeds_content_hash
+            from mmkit.multimodal.hashing import embeds_content_hash
 
             items, embeds = self.processed.images, self.processed.image_embeds
             if items:

@@ -15,12 +15,15 @@ from mmkit.layers import cpu_kernels
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, text_config, max_positions: int, mrope_section: list[int] | None = None,
-                 mrope_interleaved: bool = False) -> None:
-        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below)."""
+                 mrope_interleaved: bool = False, hf_rotary=None) -> None:
+        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below).
+        `hf_rotary`: a family's own transformers rotary, called as `hf_rotary(x, position_ids) ->
+        (cos, sin)` (e.g. one layer type's of a decoder with per-layer-type bases); default
+        transformers' Llama rotary of `text_config`."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        hf_rope = LlamaRotaryEmbedding(text_config)
+        hf_rope = hf_rotary or LlamaRotaryEmbedding(text_config)
         positions = torch.arange(max_positions)[None]  # [1, max_positions]
         dummy = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():

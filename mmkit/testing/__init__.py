@@ -37,6 +37,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Mistral3ForConditionalGeneration": ("mistral3", "build_tiny_mistral3", {}),
     "Idefics3ForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "idefics3"}),
     "SmolVLMForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "smolvlm"}),
+    "Gemma3ForConditionalGeneration": ("gemma3", "build_tiny_gemma3", {}),
     "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": False}),
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
