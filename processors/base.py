@@ -23,8 +23,9 @@ class ProcessedPrompt:
     # Every item (images, videos, spans) in placeholder order; the family builds them.
     images: list[MultiModalItem] = field(default_factory=list)
     # Embeddings given by the user, one [num_tokens_i, hidden] per item (a [N, L, hidden]
-    # tensor is N items); they skip the vision tower.
-    image_embeds: torch.Tensor | None = None
+    # tensor is N items, or a list); they skip the vision tower. In a list, a None entry is an
+    # item of `images` that mmkit encodes (a video beside given image embeddings).
+    image_embeds: torch.Tensor | list[torch.Tensor | None] | None = None
     # M-RoPE models only (see mmkit.models.interfaces.SupportsMRoPE): [3, num_prompt_tokens]
     # positions and the offset of generated tokens (position = index + delta).
     mrope_positions: torch.Tensor | None = None

@@ -56,6 +56,9 @@ class LlavaInputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
+        if parsed.image_embeds_fields:
+            raise ValueError(f"{where}.multi_modal_data: got image embeddings with {sorted(parsed.image_embeds_fields)}; "
+                             f"{self.model_config.architecture} takes a tensor [N, tokens, hidden_size] only")
         if parsed.mm_processor_kwargs:
             raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
                              f"{self.model_config.architecture} takes no processor options")

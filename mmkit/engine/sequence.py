@@ -162,10 +162,12 @@ class SequenceGroup:
         if self.image_hashes is None:
             from mmkit.multimodal.hashing import embeds_content_hash
 
-            if self.processed.image_embeds is not None:
-                self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
-            else:
-                # Every item hashes itself, once (an image item; a video item adds its
-                # frames and processor options); a prefetch worker has usually done it already.
-                self.image_hashes = [item.content_hash() for item in self.processed.images]
+            items, embeds = self.processed.images, self.processed.image_embeds
+            if items:
+                # Every item hashes itself, once (an image item; a video item adds its frames
+                # and processor options; an item of given embeddings hashes them with its
+                # layout); a prefetch worker has usually done it already.
+                self.image_hashes = [item.content_hash() for item in items]
+            else:  # given embeddings alone (LLaVA's [N, tokens, hidden])
+                self.image_hashes = [embeds_content_hash(e) for e in embeds] if embeds is not None else []
         return self.image_hashes

@@ -26,7 +26,9 @@ class MultiModalData:
     `Type.IMAGE`: a PIL image, a list of PIL images, or a torch tensor of raw pixels in NCHW
     (or CHW for one image): uint8 in 0-255, or float16/bfloat16/float32/float64 in 0-1
     (converted with `round(x * 255)`). `Type.IMAGE_EMBEDS`: a tensor
-    `[N, image_seq_length, hidden_size]` that skips the vision tower and projector.
+    `[N, image_seq_length, hidden_size]` that skips the vision tower and projector, or a dict
+    `{"image_embeds": tensor, ...}` with the fields the family needs (Qwen2-VL / Qwen3-VL:
+    `image_grid_thw`, see processors/qwen_embeds.py).
     """
 
     class Type(enum.Enum):
@@ -71,6 +73,9 @@ class ParsedPrompt:
     prompt_token_ids: list[int] | None
     images: list[ImageItem] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden]
+    # The other tensors of a dict-form embedding input (e.g. Qwen-VL's `image_grid_thw`),
+    # checked by the family's processor; a family that reads none refuses them.
+    image_embeds_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     # The raw `multi_modal_data["video"]` value: parsed by processors of video models
     # (mmkit/multimodal/video.py), refused by the others.
     video_data: Any = None
@@ -212,6 +217,8 @@ def multi_modal_from_dict(where: str, mm: dict) -> MultiModalData:
         raise ValueError(f"{where}: got keys {list(mm)}; expected exactly one of {list(_MM_DICT_KEYS)} "
                          "(plus 'video' for models that take video)")
     key, data = next(iter(mm.items()))
+    if key == "image" and isinstance(data, dict) and "image_embeds" in data:
+        key = "image_embeds"  # vLLM's form: {"image": {"image_embeds": ..., "image_grid_thw": ...}}
     return MultiModalData(type=_MM_DICT_KEYS[key], data=data)
 
 
@@ -224,6 +231,8 @@ def _attach_multi_modal(where: str, parsed: ParsedPrompt, mm: Any) -> None:
         )
     if mm.type is MultiModalData.Type.IMAGE:
         parsed.images = parse_images(where, mm.data)
+    elif isinstance(mm.data, dict):
+        parsed.image_embeds, parsed.image_embeds_fields = _parse_embeds_dict(where, mm.data)
     else:
         parsed.image_embeds = _parse_embeds(where, mm.data)
 
@@ -316,6 +325,26 @@ def _parse_embeds(where: str, data: Any) -> torch.Tensor:
     if not bool(torch.isfinite(data).all()):
         raise ValueError(f"{where}: got NaN or Inf in image embeddings; expected finite values")
     return data.detach()
+
+
+def _parse_embeds_dict(where: str, data: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`{"image_embeds": tensor, <field>: tensor, ...}`: the embeddings and the other fields
+    (which ones a family needs, and their shapes, its processor checks)."""
+    if "image_embeds" not in data:
+        raise ValueError(f"{where}: got an embeddings dict with keys {list(data)}; expected an 'image_embeds' "
+                         "tensor (plus e.g. 'image_grid_thw' for Qwen-VL models)")
+    fields = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: got a key {key!r} ({type(key).__name__}); expected str keys")
+        if key != "image_embeds":
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where}['{key}']: got {type(value).__name__}; expected a torch tensor")
+            fields[key] = value.detach()
+    embeds = _parse_embeds(f"{where}['image_embeds']", data["image_embeds"])
+    if data["image_embeds"].dim() == 2:  # [tokens, width] as given: the fields say how it splits
+        embeds = embeds[0]
+    return embeds, fields
 
 
 def _short(value: Any) -> str:
