@@ -209,8 +209,13 @@ class _Server(uvicorn.Server):
 def build_engine_args(args: Any):
     from mmkit.config import EngineArgs
 
+    return EngineArgs(model=args.model, **engine_kwargs(args))
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    """`mmkit serve`'s engine flags as `EngineArgs` fields (all but `model`)."""
     kwargs: dict[str, Any] = dict(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
@@ -218,7 +223,7 @@ def build_engine_args(args: Any):
         quantization=getattr(args, "quantization", None))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
-    return EngineArgs(**kwargs)
+    return kwargs
 
 
 def split_flag_values(values: list[str] | None) -> tuple[str, ...]:
