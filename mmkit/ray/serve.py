@@ -106,29 +106,34 @@ def build_app(model: str | None = None, *, num_replicas: int = 1, autoscaling_co
     return ingress.bind(server)
 
 
-def replica_metrics(app_name: str = "default", timeout_s: float = 10.0) -> dict[str, str]:
+def replica_metrics(app_name: str = "default", timeout_s: float = 5.0) -> dict[str, str]:
     """Each live engine replica's `/metrics` text (mmkit's metric names), keyed by Serve's
     replica id: the last field of its actor name `SERVE_REPLICA::<app>#LLMServer#<id>`.
 
-    Asks every replica at once through the deployment's router; a replica that does not
-    answer within `timeout_s` (starting, or just died) is left out.
+    Asks every replica's actor at once, directly (not through a router, which would pick any
+    replica); one that does not answer within `timeout_s` (starting, or just died) is left out.
     """
     prefix = f"SERVE_REPLICA::{app_name}#{ENGINE_DEPLOYMENT}#"
-    ids = sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == "serve" and a["name"].startswith(prefix))
-    if not ids:
-        return {}
-    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name).options(method_name="metrics")
-    responses = {rid: handle.remote(replica_id=rid) for rid in ids}
+    refs = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor.get("namespace") == "serve" and actor["name"].startswith(prefix):
+            try:
+                handle = ray.get_actor(actor["name"], namespace="serve")
+            except ValueError:  # gone since it was listed
+                continue
+            # NOTE: Serve's replica actor hands this call to the deployment's own
+            # `record_routing_stats` (LLMServer's returns its metrics text).
+            refs[handle.record_routing_stats.remote()] = actor["name"][len(prefix):]
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     out: dict[str, str] = {}
-    for rid, response in responses.items():
+    for ref in ready:
         try:
-            out[rid] = response.result(timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - not serving now; its successor has its own id
-            response.cancel()
-        else:
-            timeout_s = max(timeout_s / 4, 1.0)  # the others were asked at the same time
-    return out
+            out[refs[ref]] = ray.get(ref)["metrics"]
+        except Exception:  # noqa: BLE001 - died meanwhile, or not initialized yet
+            continue
+    for ref in late:
+        ray.cancel(ref)
+    return dict(sorted(out.items()))
 
 
 def metric_value(text: str, name: str) -> float:

@@ -58,11 +58,15 @@ class LLMServer:
         async for part in call_app(self.app, request):
             yield part
 
-    def metrics(self, replica_id: str | None = None) -> str:
-        """This replica's `/metrics` text (`replica_id` is the router's target)."""
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve asks a replica for (its controller, every few seconds, for the routers;
+        `replica_metrics`, directly): this replica's `/metrics` text and its KV cache use."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.app.state.metrics.registry).decode()
+        stats = self.engine.engine.get_metrics()
+        total = stats["kv_blocks_total"]
+        return {"metrics": generate_latest(self.app.state.metrics.registry).decode(),
+                "kv_cache_usage": (total - stats["kv_blocks_free"]) / total if total else 0.0}
 
     def check_health(self) -> None:
         if self.engine.errored:  # Serve replaces a replica whose health check raises

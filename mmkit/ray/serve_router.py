@@ -27,7 +27,6 @@ class AffinityRouter(RequestRouter):
     NOTE: no `FIFOMixin`: with it, a replica found for one request goes to the oldest waiting
     request, whatever its key; without it each request gets the replica chosen for it.
 
-    - a `replica_id=` keyword (what `replica_metrics` sends): exactly that replica, or none;
     - a `routing_key=`: its preferred replica first, unless its queue is longer than the
       shortest one's by more than `imbalanced_threshold` requests; then two random replicas,
       of which Serve takes the shorter queue (power of two choices). A preferred replica
@@ -43,9 +42,6 @@ class AffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         kwargs = pending_request.kwargs if pending_request is not None else {}
-        target = kwargs.get("replica_id")
-        if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         fallback = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         key = kwargs.get("routing_key")
         if key is None or len(candidate_replicas) == 1:
