@@ -15,18 +15,22 @@ from mmkit.layers import cpu_kernels, fused_f32
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, text_config, max_positions: int, mrope_section: list[int] | None = None,
-                 mrope_interleaved: bool = False) -> None:
-        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below)."""
+                 mrope_interleaved: bool = False, hf_rotary=None) -> None:
+        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below).
+        `hf_rotary`: a family's own transformers rotary, called as `hf_rotary(x, position_ids) ->
+        (cos, sin)` (e.g. one layer type's of a decoder with per-layer-type bases); default
+        transformers' Llama rotary of `text_config`."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        hf_rope = LlamaRotaryEmbedding(text_config)
+        hf_rope = hf_rotary or LlamaRotaryEmbedding(text_config)
         positions = torch.arange(max_positions)[None]  # [1, max_positions]
         dummy = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
             cos, sin = hf_rope(dummy, positions)  # [1, max_positions, head_dim], float32
+        # NOTE: only cos and the signed sin below are kept (a [max_positions, head_dim] float32
+        # table each: 128 MiB apiece for Gemma 3's 131072 positions x 256).
         self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
         # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half of sin negated:
         # one roll instead of neg + cat, bit-identical (negation commutes with rounding).
         half = cos.shape[-1] // 2
