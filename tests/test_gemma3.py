@@ -305,12 +305,13 @@ def test_unsupported_configs_are_refused_by_name():
 
 def test_generic_code_names_no_gemma():
     """Gemma 3 plugs in through models/ and processors/ alone: the engine, the worker, the
-    config and the LLM never name it or its tokens."""
+    input stage, the config and the LLM never name it or its tokens."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "mmkit"
-    files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), root / "config.py", root / "llm.py"]
+    files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), *(root / "multimodal").rglob("*.py"),
+             root / "config.py", root / "llm.py"]
     pattern = re.compile(r"gemma|siglip|start_of_image|soft_token|pan_and_scan", re.IGNORECASE)
     named = [f"{f.relative_to(root)}:{i + 1}" for f in files
              for i, line in enumerate(f.read_text().splitlines()) if pattern.search(line)]
