@@ -19,7 +19,8 @@ hidden 2048, moe_intermediate 768), packed as the engine packs it (bf16 on CPU: 
   its rows (float32 on this CPU: MKL's sgemm is compute-bound at 8 rows); the gap between it
   and the measured ratio is the grouping's own cost (routing, argsort, gather, scatter, loop).
 
-Each figure is the median over `--runs`, the modes alternating within a run.
+Times are medians over `--runs` (the modes alternate within a run); each ratio is the median
+of its per-run paired ratios.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def main() -> None:
                 times[name].append(timed(fn))
     med = {name: statistics.median(t) for name, t in times.items()}
     count_model = args.rows * args.top_k / hit
-    calibrated = med["experts_one_row"] / med["experts_grouped"]
-    measured = med["singles"] / med["batched"]
+    # Paired per run (the two modes of a ratio ran back to back), then the median: steadier
+    # than a ratio of medians when the machine's load changes during the runs.
+    measured = statistics.median(s / b for s, b in zip(times["singles"], times["batched"]))
+    calibrated = statistics.median(s / b for s, b in zip(times["experts_one_row"], times["experts_grouped"]))
     packed = block.experts._packed is not None
     result = dict(rows=args.rows, experts=args.experts, top_k=args.top_k, hidden=args.hidden, inter=args.inter,
                   dtype=args.dtype, threads=args.threads, packed=packed, experts_hit=hit,
