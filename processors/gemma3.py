@@ -125,12 +125,17 @@ class Gemma3InputProcessor:
     def _num_crops(self, image: ImageItem, image_options: dict) -> int:
         if not image_options.get("do_pan_and_scan"):
             return 0
-        # The image processor's own crop rule on a shape-only tensor (stride 0: no pixels).
-        shape_only = torch.zeros(()).expand(1, 3, image.height, image.width)
-        crops = self.image_processor.pan_and_scan_batched(
-            shape_only, image_options["pan_and_scan_min_crop_size"], image_options["pan_and_scan_max_num_crops"],
-            image_options["pan_and_scan_min_ratio_to_activate"])
-        return len(crops)
+        # The image processor's own crop rule on a shape-only image (stride 0: no pixels): the
+        # torchvision backend's batched form, or the PIL backend's per-image one.
+        args = (image_options["pan_and_scan_min_crop_size"], image_options["pan_and_scan_max_num_crops"],
+                image_options["pan_and_scan_min_ratio_to_activate"])
+        batched = getattr(self.image_processor, "pan_and_scan_batched", None)
+        if batched is not None:
+            return len(batched(torch.zeros(()).expand(1, 3, image.height, image.width), *args))
+        import numpy as np
+
+        return len(self.image_processor.pan_and_scan(np.broadcast_to(np.zeros((), np.uint8),
+                                                                     (3, image.height, image.width)), *args))
 
     def _image_text(self, image: ImageItem, image_options: dict) -> str:
         return self.hf_processor.replace_image_token({"num_crops": [self._num_crops(image, image_options)]}, 0)
@@ -148,8 +153,7 @@ class Gemma3InputProcessor:
         encoding = self.tokenizer(expanded[0])
         ranges: list[PlaceholderRange] = []
         for entry in offsets[0]:
-            start, end = entry["new_span"]
-            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            first, last = _token_bounds(encoding, *entry["new_span"])
             if ranges and first < ranges[-1].offset + ranges[-1].length:
                 raise ValueError(f"{where}: two {self.placeholder} placeholders share a token; separate them")
             ranges.append(PlaceholderRange(first, last - first + 1))
@@ -180,3 +184,11 @@ class Gemma3InputProcessor:
                              "were predicted; refusing to misalign the placeholders")
         return {"pixel_values": pixels, "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}
 
+
+def _token_bounds(encoding, start: int, end: int) -> tuple[int, int]:
+    """First and last token holding a character of [start, end) (a character no token holds,
+    e.g. whitespace a tokenizer drops, is skipped)."""
+    chars = range(start, end)
+    first = next(t for t in (encoding.char_to_token(c) for c in chars) if t is not None)
+    last = next(t for t in (encoding.char_to_token(c) for c in reversed(chars)) if t is not None)
+    return first, last

@@ -98,6 +98,22 @@ def test_processor_ids_and_bidirectional_runs_equal_transformers(ckpt):
         assert [r.shape[0] for r in rows] == [n for _, n in processed.placeholder_ranges]
     views = [proc.mm_item_inputs(it)["pixel_values"].shape[0] for it in proc.process(_parsed(P2, [IMG2, IMG3], PAS)).images]
     assert views == [4, 1]  # pan-and-scan on for the request: the wide image cropped, the square one not
+    # Engine-wide options: every request gets them, a request's own override them.
+    engine_wide = LLM(str(ckpt), dtype="float32", num_kv_blocks=32, mm_processor_kwargs=PAS).llm_engine.input_processor
+    assert engine_wide.process(_parsed(P1, [IMG2])).prompt_token_ids == \
+        hf_span_inputs(ckpt, P1, [IMG2], mm_kwargs=PAS)["input_ids"][0].tolist()
+    assert engine_wide.process(_parsed(P1, [IMG2], {"do_pan_and_scan": False})).prompt_token_ids == \
+        hf_span_inputs(ckpt, P1, [IMG2])["input_ids"][0].tolist()
+
+
+def test_embedding_scale_is_rounded_to_the_weight_dtype():
+    """sqrt(3072) = 55.43 is 55.5 in bf16, as transformers multiplies (scale cast first)."""
+    from mmkit.models.gemma3 import ScaledEmbedding
+
+    embed = ScaledEmbedding(4, 3072).to(torch.bfloat16)
+    ids = torch.tensor([1, 3])
+    assert torch.equal(embed(ids), embed.weight[ids] * torch.tensor(55.5, dtype=torch.bfloat16))
+    assert torch.equal(embed.float()(ids), embed.weight[ids] * torch.tensor(3072 ** 0.5, dtype=torch.float32))
 
 
 def _batch():
