@@ -4,6 +4,7 @@
     mmkit ask IMAGE "QUESTION"
     mmkit eval DATA --output RESULTS.jsonl [--ray [--ray-address ADDR] [--concurrency N]]
     mmkit serve [--model M] [--port 8000]     (OpenAI-compatible server; needs mmkit[serve])
+    mmkit serve ... --ray-serve --num-replicas N   (replicas on Ray Serve; needs mmkit[ray-serve])
 """
 
 from __future__ import annotations
@@ -192,6 +193,13 @@ def cmd_serve(args) -> int:
     # Before the model loads (and before torch is imported): seconds, not a minute, to learn
     # that the port is taken or a folder is missing.
     check_serve_args(args)
+    ray_only = [flag for flag, given in (("--num-replicas", args.num_replicas != 1), ("--ray-address", args.ray_address),
+                                         ("--num-gpus-per-replica", args.num_gpus_per_replica),
+                                         ("--num-cpus-per-replica", args.num_cpus_per_replica is not None)) if given]
+    if ray_only and not args.ray_serve:
+        raise ValueError(f"{ray_only[0]}: only with --ray-serve (replicas on Ray Serve)")
+    if args.ray_serve:
+        return _serve_on_ray(args)
     args.listen_socket = bind_listen_socket(args.host, args.port)
     try:
         from mmkit.entrypoints.openai.api_server import run_server
@@ -203,6 +211,14 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
         return 2
     return run_server(args)
+
+
+def _serve_on_ray(args) -> int:
+    try:
+        from mmkit.ray.serve_cli import run_ray_serve
+    except ImportError as exc:
+        raise ValueError(f"--ray-serve: needs the ray-serve extra ({exc}); pip install 'mmkit[ray-serve]'") from exc
+    return run_ray_serve(args)
 
 
 def cmd_eval_ray(args) -> int:

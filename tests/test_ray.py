@@ -111,6 +111,22 @@ def test_processor_200_mixed_rows(ray_session, tiny_ckpt):
         assert got["num_input_tokens"] == len(expected.prompt_token_ids)
 
 
+def test_processor_with_a_dict_default_equals_llm_generate(ray_session, tiny_ckpt):
+    """`sampling_params` as a dict of SamplingParams fields, as ray.data.llm users pass it."""
+    from mmkit.ray import build_processor
+
+    rows = [{"id": i, "prompt": PROMPT if i % 2 else f"Tell me about {i}",
+             "image": image_bytes(i) if i % 2 else None} for i in range(12)]
+    processor = build_processor(str(tiny_ckpt), dict(temperature=0, max_tokens=6), concurrency=1, batch_size=6,
+                                dtype="float32")
+    out = {r["id"]: r for r in processor(ray.data.from_items(rows)).take_all()}
+    inputs = [{"prompt": r["prompt"], **({"multi_modal_data": {"image": load_image_bytes(r["image"], where="x")}}
+                                         if r["image"] else {})} for r in rows]
+    ref = get_llm(tiny_ckpt).generate(inputs, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [out[i]["generated_tokens"] for i in range(12)] == [list(o.outputs[0].token_ids) for o in ref]
+    assert [out[i]["generated_text"] for i in range(12)] == [o.outputs[0].text for o in ref]
+
+
 def test_eval_ray_resumes_after_kill(ray_session, tiny_ckpt, tmp_path):
     (tmp_path / "img").mkdir()
     for i in range(4):

@@ -21,7 +21,7 @@ from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
-from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
 from mmkit.legacy import legacy_single_input
 from mmkit.multimodal import check_supported_modalities, supported_modalities
@@ -157,13 +157,7 @@ class LLMEngine:
         """Queue a request `process_request` accepted. `final_only`: build its
         `RequestOutput` once, when it finishes (no per-step outputs)."""
         params = params.clone(eos_token_ids=self.eos_token_ids)
-        group = SequenceGroup(request_id=request_id, processed=processed, params=params)
-        seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
-                         num_prompt_tokens=len(processed.prompt_token_ids),
-                         seed=self._seed(params, i)) for i in range(params.n)]
-        group.seqs = seqs[:1]
-        group.pending_forks = seqs[1:]
-        seqs[0].num_pending_forks = params.n - 1
+        group = SequenceGroup.create(request_id, processed, params, [self._seed(params, i) for i in range(params.n)])
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, final_only)
         self.scheduler.add_request(group)

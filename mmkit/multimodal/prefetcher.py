@@ -8,7 +8,9 @@ and resize, hashlib and numpy's arithmetic release the GIL, so they overlap the 
 matmuls. The runner then takes a finished result instead of computing it. Same function,
 same inputs: the pixel values are identical.
 
-How the engine uses it (the scheduler sees it as a `PreprocessTracker`):
+Part of the input stage (`stage.py`): `MultiModalInputStage` owns it and is what the scheduler
+(a `PreprocessTracker`) and the runner (`mm_item_inputs`) are given at construction.
+How the engine uses it:
 - `LLM.generate` decodes a call's lazily opened files (`Image.open`) on the workers with
   `map`, before any request is added (a truncated file still fails up front);
 - while requests run, a waiting request is admitted only once `is_ready`: the forward pass

@@ -209,8 +209,13 @@ class _Server(uvicorn.Server):
 def build_engine_args(args: Any):
     from mmkit.config import EngineArgs
 
+    return EngineArgs(model=args.model, **engine_kwargs(args))
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    """`mmkit serve`'s engine flags as `EngineArgs` fields (all but `model`)."""
     kwargs: dict[str, Any] = dict(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
@@ -218,15 +223,15 @@ def build_engine_args(args: Any):
         quantization=getattr(args, "quantization", None))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
-    return EngineArgs(**kwargs)
+    return kwargs
 
 
-def _split(values: list[str] | None) -> tuple[str, ...]:
+def split_flag_values(values: list[str] | None) -> tuple[str, ...]:
     """`a,b c` -> ("a", "b", "c"): list flags take commas, spaces or both."""
     return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
 
 
-def _read_chat_template(value: str | None) -> str | None:
+def read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
@@ -235,6 +240,31 @@ def _read_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
     return value
+
+
+def check_generation_config(value: str) -> None:
+    """`--generation-config`: 'auto', 'vllm' or a folder holding generation_config.json."""
+    if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config: {value!r} holds no generation_config.json; "
+                         "expected 'auto', 'vllm' or such a folder")
+
+
+def server_config(engine: AsyncLLMEngine, *, model: str | None, served_model_name: Any, media: Any,
+                  chat_template: str | None, api_key: str | None, allowed_origins: Any,
+                  generation_config: str = "auto", announce: bool = False) -> ServerConfig:
+    """What `create_app` needs besides the engine, from `mmkit serve`'s options (also what each
+    Ray Serve replica builds: `mmkit.ray.serve`). `served_model_name`: a name, a list, or None
+    (then `model`, else 'default-model'); `allowed_origins`: a list of flag values or None."""
+    if isinstance(served_model_name, str):
+        served_model_name = [served_model_name]
+    names = tuple(served_model_name or [model or "default-model"])
+    source = {"auto": engine.engine.config.model.path, "vllm": None}.get(generation_config, generation_config)
+    default_sampling = default_sampling_from(source)
+    if default_sampling and announce:
+        print(f"mmkit serve: sampling defaults from the generation config: {default_sampling}", flush=True)
+    return ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
+                        media=media, chat_template=chat_template, api_key=api_key or None,
+                        allowed_origins=split_flag_values(allowed_origins), default_sampling=default_sampling)
 
 
 def run_server(args: Any) -> int:
@@ -247,23 +277,16 @@ def run_server(args: Any) -> int:
         torch.set_num_threads(args.threads)
     print(f"mmkit serve: loading {args.model or 'the embedded default model'} ...", flush=True)
     start = time.perf_counter()
-    media = MediaPolicy.from_args(args.allowed_local_media_path, list(_split(args.allowed_media_domains)))
-    chat_template = _read_chat_template(args.chat_template)
-    if args.generation_config not in ("auto", "vllm") and \
-            not (Path(args.generation_config) / "generation_config.json").is_file():
-        raise ValueError(f"--generation-config: {args.generation_config!r} holds no generation_config.json; "
-                         "expected 'auto', 'vllm' or such a folder")
+    media = MediaPolicy.from_args(args.allowed_local_media_path,
+                                  list(split_flag_values(args.allowed_media_domains)))
+    chat_template = read_chat_template(args.chat_template)
+    check_generation_config(args.generation_config)
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))
     print(f"mmkit serve: model loaded in {time.perf_counter() - start:.1f} s", flush=True)
-    names = tuple(args.served_model_name or [args.model or "default-model"])
-    source = {"auto": engine.engine.config.model.path, "vllm": None}.get(args.generation_config,
-                                                                        args.generation_config)
-    default_sampling = default_sampling_from(source)
-    if default_sampling:
-        print(f"mmkit serve: sampling defaults from the generation config: {default_sampling}", flush=True)
-    config = ServerConfig(served_model_names=names, max_model_len=engine.engine.config.scheduler.max_model_len,
-                          media=media, chat_template=chat_template, api_key=args.api_key or None,
-                          allowed_origins=_split(args.allowed_origins), default_sampling=default_sampling)
+    config = server_config(engine, model=args.model, served_model_name=args.served_model_name, media=media,
+                           chat_template=chat_template, api_key=args.api_key, allowed_origins=args.allowed_origins,
+                           generation_config=args.generation_config, announce=True)
+    names = config.served_model_names
     app = create_app(engine, config, enable_ui=args.enable_ui)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, lifespan="off")

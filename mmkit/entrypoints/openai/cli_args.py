@@ -63,3 +63,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ui", dest="enable_ui", action="store_false", help="do not serve the playground at /")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
+    g = parser.add_argument_group("Ray Serve (pip install 'mmkit[ray-serve]')",
+                                  "Serve the same API from engine replicas on Ray Serve, behind one endpoint at "
+                                  "--host/--port; requests about one image stay on one replica.")
+    g.add_argument("--ray-serve", action="store_true", help="run on Ray Serve (a local Ray unless --ray-address)")
+    g.add_argument("--num-replicas", type=int, default=1, metavar="N", help="engine replicas (default 1)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else start Ray here)")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0, metavar="G",
+                   help="GPUs each replica reserves (1: one replica per GPU; default 0)")
+    g.add_argument("--num-cpus-per-replica", type=float, default=None, metavar="C",
+                   help="CPUs each replica reserves and its torch threads on CPU (default 1)")

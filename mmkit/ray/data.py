@@ -16,6 +16,7 @@ Needs the `ray` extra: `pip install "mmkit[ray]"`.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -27,7 +28,7 @@ import ray.data
 from mmkit.batch_rows import OUTPUT_COLUMNS, run_rows
 from mmkit.sampling_params import SamplingParams
 
-__all__ = ["build_processor", "Processor", "init_ray"]
+__all__ = ["build_processor", "Processor", "EngineReplica"]
 
 _ARROW_TYPES = {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
                 "finish_reason": pa.string(), "num_input_tokens": pa.int64(),
@@ -119,7 +120,25 @@ class Processor:
         return ds
 
 
-def build_processor(model: str | None = None, sampling_params: SamplingParams | None = None, *,
+def sampling_params_from(value: SamplingParams | dict[str, Any] | None) -> SamplingParams | None:
+    """`build_processor`'s `sampling_params`: a `SamplingParams`, a dict of its fields, or None."""
+    if value is None or isinstance(value, SamplingParams):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"sampling_params: got {type(value).__name__}; expected SamplingParams, a dict of its "
+                        "fields or None")
+    known = set(inspect.signature(SamplingParams).parameters)
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown field(s) {unknown}; expected SamplingParams fields such as "
+                         "temperature, top_p, max_tokens, stop, seed")
+    try:
+        return SamplingParams(**value)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"sampling_params: {exc}") from exc
+
+
+def build_processor(model: str | None = None, sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                     concurrency: int = 1, batch_size: int = 16, num_gpus_per_replica: float = 0,
                     num_cpus_per_replica: float | None = None, max_in_flight: int | None = None,
                     preprocess: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
@@ -128,7 +147,9 @@ def build_processor(model: str | None = None, sampling_params: SamplingParams | 
     """A callable that runs `model` over a Ray Dataset with `concurrency` engine replicas.
 
     `model`: a checkpoint folder (on every node) or a cached model id; None: the embedded model.
-    `sampling_params`: the default for every row (a row's `sampling_params` dict overrides fields).
+    `sampling_params`: the default for every row (a row's `sampling_params` dict overrides fields):
+    a `SamplingParams`, or a dict of its fields as `ray.data.llm` takes (checked here, so an
+    unknown field fails at build time, named).
     `batch_size`: rows per batch handed to a replica (the replica batches them continuously).
     `num_gpus_per_replica` / `num_cpus_per_replica`: what each actor reserves (CPUs default to 1;
     on CPU the engine uses that many torch threads). `max_in_flight`: rows of a batch admitted
@@ -141,8 +162,7 @@ def build_processor(model: str | None = None, sampling_params: SamplingParams | 
     """
     from mmkit.config import EngineArgs
 
-    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-        raise TypeError(f"sampling_params: got {type(sampling_params).__name__}; expected SamplingParams or None")
+    sampling_params = sampling_params_from(sampling_params)
     if model is not None and not isinstance(model, str):
         model = os.fspath(model)
     for name, value, lo in (("concurrency", concurrency, 1), ("batch_size", batch_size, 1)):
@@ -164,29 +184,3 @@ def build_processor(model: str | None = None, sampling_params: SamplingParams | 
     EngineArgs(model=model, **engine_args)  # unknown or invalid engine arguments fail here, not in an actor
     return Processor(model, sampling_params, concurrency, batch_size, num_gpus_per_replica, num_cpus_per_replica,
                      max_in_flight, dict(engine_args), output_columns, preprocess, postprocess)
-
-
-def init_ray(address: str | None = None, *, num_cpus: int | None = None,
-             object_store_memory: int | None = None) -> None:
-    """Connect to the cluster at `address` (or `$RAY_ADDRESS`), else start Ray on this machine.
-
-    A local start reserves `num_cpus` logical CPUs (default: this machine's) and no dashboard.
-    Does nothing when Ray is already initialized in this process.
-    """
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-        return
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
-             object_store_memory=object_store_memory or _default_object_store_memory())
-
-
-def _default_object_store_memory() -> int:
-    """A modest store (Ray spills beyond it to disk): 10% of RAM, between 256 MiB and 2 GiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 8 << 30
-    return int(min(max(total // 10, 256 << 20), 2 << 30))

@@ -1,0 +1,110 @@
+"""What the Ray Serve path costs over plain `mmkit serve` on one machine.
+
+Starts each server as a user does (`mmkit serve ...`, then `... --ray-serve`), on the embedded
+model, and times, in the same run: one chat request at a time (median latency of 10) and
+`--requests` concurrent chats (half with an image; wall time, median of `--runs`). Prints
+each configuration's numbers and their ratio to plain `mmkit serve`.
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 5 python benchmarks/serve_ray.py --requests 40 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from serve_utils import RED_CIRCLE, data_uri, image_message  # noqa: E402
+
+_READY = re.compile(r"ready at (http://\S+)/v1")
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "mmkit", "serve", "--port", "0", "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def drain():
+        for line in proc.stdout:
+            match = _READY.search(line)
+            if match and not ready.is_set():
+                found.append(match.group(1))
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(600):
+        proc.kill()
+        raise RuntimeError(f"{args}: did not start")
+    return proc, found[0]
+
+
+def conversations(n: int) -> list[list[dict]]:
+    red = data_uri(RED_CIRCLE)
+    return [image_message(red, f"Question {i}: what is in the image?") if i % 2 == 0 else
+            [{"role": "user", "content": f"Question {i}: tell me about the sea."}] for i in range(n)]
+
+
+async def chat(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> None:
+    await client.chat.completions.create(model="default-model", messages=messages, max_tokens=max_tokens,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+
+async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[float, float]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    convs = conversations(requests)
+    await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
+    single = []
+    for i in range(10):
+        t = time.perf_counter()
+        await chat(client, convs[i % 2], max_tokens)
+        single.append(time.perf_counter() - t)
+    walls = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
+        walls.append(time.perf_counter() - t)
+    return statistics.median(single), statistics.median(walls)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args()
+    configs = {"mmkit serve --threads 2": ["--threads", "2"],
+               "--ray-serve, 1 replica x 2 threads": ["--ray-serve", "--num-cpus-per-replica", "2"],
+               "--ray-serve, 2 replicas x 1 thread": ["--ray-serve", "--num-replicas", "2"]}
+    results = {}
+    for name, flags in configs.items():
+        proc, url = start(flags)
+        try:
+            results[name] = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+        print(f"{name}: one request {results[name][0] * 1000:.0f} ms (median of 10); {args.requests} concurrent "
+              f"chats {results[name][1]:.2f} s (median of {args.runs})", flush=True)
+    base_single, base_wall = results["mmkit serve --threads 2"]
+    print("\n| server | one request (ms) | x plain | "
+          f"{args.requests} concurrent chats (s) | x plain |\n| --- | --- | --- | --- | --- |")
+    for name, (single, wall) in results.items():
+        print(f"| {name} | {single * 1000:.0f} | {single / base_single:.2f} | {wall:.2f} | {wall / base_wall:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
