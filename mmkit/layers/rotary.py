@@ -29,7 +29,7 @@ class RotaryEmbedding(nn.Module):
         with torch.no_grad():
             cos, sin = hf_rope(dummy, positions)  # [1, max_positions, head_dim], float32
         # NOTE: only cos and the signed sin below are kept (a [max_positions, head_dim] float32
-        # table each: 128 MiB apiece for Gemma 3's 131072 positions x 256).
+        # table each: 128 MiB apiece at 131072 positions x head_dim 256).
         self.register_buffer("cos", cos[0], persistent=False)
         # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half of sin negated:
         # one roll instead of neg + cat, bit-identical (negation commutes with rounding).
