@@ -19,7 +19,9 @@ hidden 2048, moe_intermediate 768), packed as the engine packs it (bf16 on CPU: 
   its rows (float32 on this CPU: MKL's sgemm is compute-bound at 8 rows); the gap between it
   and the measured ratio is the grouping's own cost (routing, argsort, gather, scatter, loop).
 
-Each figure is the median over `--runs`, the modes alternating within a run.
+Times are medians over `--runs`; within a run the two sides of each ratio are interleaved in 8
+slices (the 64-row step once per slice, 1/8 of the single-row steps), and each ratio is the
+median of its per-run ratios.
 """
 
 from __future__ import annotations
@@ -74,27 +76,40 @@ def main() -> None:
         grouped_rows = {e: torch.randn(n, args.hidden, dtype=dtype) for e, n in enumerate(counts) if n}
         one_rows = [(int(e), x[i:i + 1]) for i in range(args.rows) for e in experts[i]]
 
-        def timed(fn) -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-
-        modes = {
-            "batched": lambda: block(x),
-            "singles": lambda: [block(x[i:i + 1]) for i in range(args.rows)],
-            "experts_grouped": lambda: [block.experts._expert(e, r) for e, r in grouped_rows.items()],
-            "experts_one_row": lambda: [block.experts._expert(e, r) for e, r in one_rows],
-        }
-        for fn in modes.values():
-            fn()  # warm-up
-        times: dict[str, list[float]] = {name: [] for name in modes}
+        # One run interleaves the modes in 8 slices: a slice times the 64-row step (and the
+        # grouped expert MLPs) once and 1/8 of the single-row steps (and of the one-row MLPs),
+        # so both sides of a ratio sample the same moments of a machine whose load changes.
+        singles = [lambda i=i: block(x[i:i + 1]) for i in range(args.rows)]
+        one_row = [lambda e=e, r=r: block.experts._expert(e, r) for e, r in one_rows]
+        pairs = {"batched": (lambda: block(x), "singles", singles),
+                 "experts_grouped": (lambda: [block.experts._expert(e, r) for e, r in grouped_rows.items()],
+                                     "experts_one_row", one_row)}
+        slices = 8
+        for whole, _, parts in pairs.values():  # warm-up
+            whole()
+            for fn in parts:
+                fn()
+        times: dict[str, list[float]] = {k: [] for name, (_, other, _) in pairs.items() for k in (name, other)}
         for _ in range(args.runs):
-            for name, fn in modes.items():
-                times[name].append(timed(fn))
+            for name, (whole, other, parts) in pairs.items():
+                t_whole = t_parts = 0.0
+                per = -(-len(parts) // slices)
+                for j in range(slices):
+                    start = time.perf_counter()
+                    whole()
+                    t_whole += time.perf_counter() - start
+                    start = time.perf_counter()
+                    for fn in parts[j * per:(j + 1) * per]:
+                        fn()
+                    t_parts += time.perf_counter() - start
+                times[name].append(t_whole / slices)
+                times[other].append(t_parts)
     med = {name: statistics.median(t) for name, t in times.items()}
     count_model = args.rows * args.top_k / hit
-    calibrated = med["experts_one_row"] / med["experts_grouped"]
-    measured = med["singles"] / med["batched"]
+    # Paired per run (the two modes of a ratio ran back to back), then the median: steadier
+    # than a ratio of medians when the machine's load changes during the runs.
+    measured = statistics.median(s / b for s, b in zip(times["singles"], times["batched"]))
+    calibrated = statistics.median(s / b for s, b in zip(times["experts_one_row"], times["experts_grouped"]))
     packed = block.experts._packed is not None
     result = dict(rows=args.rows, experts=args.experts, top_k=args.top_k, hidden=args.hidden, inter=args.inter,
                   dtype=args.dtype, threads=args.threads, packed=packed, experts_hit=hit,

@@ -100,19 +100,20 @@ class MoeExperts(nn.Module):
         perm = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[perm // k]  # [T * k, H], grouped
+        scale = weights.reshape(-1)[perm, None]  # [T * k, 1], each pair's routing weight
         out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts):  # one matmul pair per expert hit, never per token
             if n:
-                out[start:start + n] = self._expert(e, rows[start:start + n])
+                # scaled per expert as HF does (one pass less over the [T * k, H] rows)
+                torch.mul(self._expert(e, rows[start:start + n]), scale[start:start + n], out=out[start:start + n])
                 start += n
-        out = out * weights.reshape(-1)[perm, None]
         pairs = torch.empty_like(out)
         pairs[perm] = out
         pairs = pairs.view(num_tokens, k, -1)
-        total = pairs[:, 0]
+        total = pairs[:, 0].clone()
         for j in range(1, k):  # HF: zeros, then += each expert's share in id order
-            total = total + pairs[:, j]
+            total += pairs[:, j]
         return total
 
 

@@ -76,3 +76,24 @@ def test_packed_bf16_experts_equal_unpacked():
         assert block.experts.gate_up_proj.numel() == 0 and block.experts.down_proj.numel() == 0
         assert block.experts.weight_nbytes() > 0
         assert torch.equal(block(x), want) and torch.equal(block(x[:1]), want_one)
+
+
+def test_grouping_benchmark_reports_both_predictions(tmp_path, monkeypatch, capsys):
+    """benchmarks/moe_grouping.py on a tiny block (in process): the count model is
+    rows * k / experts hit; the calibrated prediction and the measurement are positive ratios
+    (no timing asserted)."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "moe.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_grouping.py"
+    monkeypatch.setattr(sys, "argv", ["moe_grouping.py", "--experts", "8", "--top-k", "2", "--hidden", "32",
+                                      "--inter", "16", "--rows", "8", "--runs", "1", "--threads",
+                                      str(torch.get_num_threads()), "--json", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    data = json.loads(out.read_text())
+    assert data["predicted_ratio"] == 8 * 2 / data["experts_hit"]
+    assert data["measured_ratio"] > 0 and data["calibrated_ratio"] > 0
+    assert "count model (rows*k/hit = 8*2/" in capsys.readouterr().out
