@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import fuse_quantized
-from mmkit.layers import cpu_kernels
+from mmkit.layers import cpu_kernels, fused_f32
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
 from mmkit.models.moe import SparseMoeBlock
@@ -147,8 +147,9 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if self.is_silu and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            fused = cpu_kernels.silu_mul_bf16(gate_up)  # one pass instead of silu, then mul
+        if self.is_silu and gate_up.device.type == "cpu" and gate_up.dtype in (torch.bfloat16, torch.float32):
+            # one pass instead of split, silu, then mul
+            fused = (cpu_kernels.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else fused_f32.silu_mul)(gate_up)
             if fused is not None:
                 return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

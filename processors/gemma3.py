@@ -87,9 +87,6 @@ class Gemma3InputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.video_data is not None:
-            raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.name} takes images only "
-                             "(expected 'image')")
         if parsed.image_embeds is not None:
             raise ValueError(f"{where}.multi_modal_data: image embeddings are not supported for {self.name}; "
                              "pass images")
