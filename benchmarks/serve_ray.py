@@ -2,10 +2,11 @@
 
 Starts each server as a user does (`mmkit serve ...`, then `... --ray-serve`), on the embedded
 model, and times, in the same run: one chat request at a time (median latency of 10) and
-`--requests` concurrent chats (half with an image; wall time, median of `--runs`). Prints
-each configuration's numbers and their ratio to plain `mmkit serve`.
+`--requests` concurrent chats (half with an image; wall time, `--runs` times per start), each
+configuration started `--rounds` times in alternating order. Prints the medians and their
+ratio to plain `mmkit serve`.
 
-    OMP_WAIT_POLICY=PASSIVE nice -n 5 python benchmarks/serve_ray.py --requests 40 --runs 3
+    OMP_WAIT_POLICY=PASSIVE nice -n 5 python benchmarks/serve_ray.py --requests 40 --runs 3 --rounds 2
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ async def chat(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int
                                          temperature=0, extra_body={"ignore_eos": True})
 
 
-async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[float, float]:
+async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[list[float], list[float]]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     convs = conversations(requests)
     await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
@@ -77,7 +78,7 @@ async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[
         t = time.perf_counter()
         await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
         walls.append(time.perf_counter() - t)
-    return statistics.median(single), statistics.median(walls)
+    return single, walls
 
 
 def main() -> None:
@@ -85,20 +86,28 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the configurations (even: ABC CBA)")
     args = p.parse_args()
     configs = {"mmkit serve --threads 2": ["--threads", "2"],
                "--ray-serve, 1 replica x 2 threads": ["--ray-serve", "--num-cpus-per-replica", "2"],
                "--ray-serve, 2 replicas x 1 thread": ["--ray-serve", "--num-replicas", "2"]}
-    results = {}
-    for name, flags in configs.items():
-        proc, url = start(flags)
-        try:
-            results[name] = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-        print(f"{name}: one request {results[name][0] * 1000:.0f} ms (median of 10); {args.requests} concurrent "
-              f"chats {results[name][1]:.2f} s (median of {args.runs})", flush=True)
+    # Rounds in order, then reversed (ABC CBA ...): a machine whose load drifts during the run
+    # weighs on every configuration alike. Each number: the median over all its runs.
+    singles: dict[str, list[float]] = {name: [] for name in configs}
+    walls: dict[str, list[float]] = {name: [] for name in configs}
+    for round_ in range(args.rounds):
+        for name in (list(configs) if round_ % 2 == 0 else list(configs)[::-1]):
+            proc, url = start(configs[name])
+            try:
+                single, wall = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(120)
+            singles[name] += single
+            walls[name] += wall
+            print(f"round {round_ + 1}, {name}: one request {statistics.median(single) * 1000:.0f} ms; "
+                  f"{args.requests} concurrent chats {statistics.median(wall):.2f} s", flush=True)
+    results = {name: (statistics.median(singles[name]), statistics.median(walls[name])) for name in configs}
     base_single, base_wall = results["mmkit serve --threads 2"]
     print("\n| server | one request (ms) | x plain | "
           f"{args.requests} concurrent chats (s) | x plain |\n| --- | --- | --- | --- | --- |")
