@@ -2,7 +2,8 @@
 
     OMP_WAIT_POLICY=PASSIVE nice python benchmarks/quant_compare.py [--runs 3] [--out benchmarks/results/round4]
 
-Batch 1: `latency.py --skip-hf --skip-load` (time per output token, p50, and peak RSS) for
+Batch 1: `latency.py --skip-hf --skip-load` (time per output token, p50, wall and this process's
+CPU time, and peak RSS) for
 bf16, int8, int4; decode-heavy throughput: `throughput.py --workload decode-heavy --skip-hf`
 (128 requests) for bf16 and int8. Runs alternate modes so slow drifts of a shared machine hit
 every mode alike; the ratios are of medians.
@@ -36,6 +37,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     modes = {"bf16": [], "int8": ["--quantization", "int8"], "int4": ["--quantization", "int4"]}
     tpot: dict[str, list[float]] = {m: [] for m in modes}
+    tpot_cpu: dict[str, list[float]] = {m: [] for m in modes}
+    tput_rss: dict[str, list[float]] = {"bf16": [], "int8": []}
     rss: dict[str, list[float]] = {m: [] for m in modes}
     weights: dict[str, dict] = {}
     tput: dict[str, list[float]] = {"bf16": [], "int8": []}
@@ -45,6 +48,7 @@ def main() -> None:
                        "--batch1-requests", "3", "--output-len", str(args.output_len), *flags],
                       out / f"latency_{mode}_{r}.json")
             tpot[mode].append(res["mmkit_batch1"]["tpot_s"]["p50"])
+            tpot_cpu[mode].append(res["mmkit_batch1"].get("tpot_cpu_s", {}).get("p50"))
             rss[mode].append(res["peak_rss_mb"])
             weights[mode] = res["weights"]
         if not args.skip_throughput:
@@ -53,11 +57,18 @@ def main() -> None:
                            "--workload", "decode-heavy", "--num-requests", "128", "--repeats", "1", *modes[mode]],
                           out / f"throughput_{mode}_{r}.json")
                 tput[mode].append(res["mmkit_tok_s"])
+                tput_rss[mode].append(res["peak_rss_mb"])
     med = {m: statistics.median(v) for m, v in tpot.items()}
     summary = {"runs": args.runs, "tpot_p50_s": tpot, "tpot_median_s": med, "peak_rss_mb": rss, "weights": weights,
                "tpot_ratio_int8": med["int8"] / med["bf16"], "tpot_ratio_int4": med["int4"] / med["bf16"]}
+    if all(v is not None for vals in tpot_cpu.values() for v in vals):
+        cpu_med = {m: statistics.median(v) for m, v in tpot_cpu.items()}
+        summary.update({"tpot_cpu_p50_s": tpot_cpu, "tpot_cpu_median_s": cpu_med,
+                        "tpot_cpu_ratio_int8": cpu_med["int8"] / cpu_med["bf16"],
+                        "tpot_cpu_ratio_int4": cpu_med["int4"] / cpu_med["bf16"]})
     if tput["bf16"]:
         summary["throughput_tok_s"] = tput
+        summary["throughput_peak_rss_mb"] = tput_rss
         summary["throughput_ratio_int8"] = statistics.median(tput["int8"]) / statistics.median(tput["bf16"])
     (out / "quant_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

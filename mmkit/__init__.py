@@ -27,10 +27,10 @@ _EXPORTS = {
     "LLM": "mmkit.llm",
     "SamplingParams": "mmkit.sampling_params",
     "StructuredOutputsParams": "mmkit.sampling_params",
-    "MultiModalData": "mmkit.inputs",
-    "TextPrompt": "mmkit.inputs",
-    "TokensPrompt": "mmkit.inputs",
-    "PromptInputs": "mmkit.inputs",
+    "MultiModalData": "mmkit.multimodal.parse",
+    "TextPrompt": "mmkit.multimodal.parse",
+    "TokensPrompt": "mmkit.multimodal.parse",
+    "PromptInputs": "mmkit.multimodal.parse",
     "RequestOutput": "mmkit.outputs",
     "CompletionOutput": "mmkit.outputs",
     "Logprob": "mmkit.outputs",
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmkit.engine.async_engine import AsyncLLMEngine
     from mmkit.engine.llm_engine import LLMEngine
     from mmkit.errors import EngineDeadError, RequestFailedError
-    from mmkit.inputs import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
+    from mmkit.multimodal.parse import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
     from mmkit.llm import LLM
     from mmkit.models.registry import ModelRegistry
     from mmkit.outputs import CompletionOutput, Logprob, RequestOutput

@@ -153,7 +153,7 @@ def _image_sources(value: Any) -> list[Any]:
 def load_row_image(where: str, source: Any):
     """Decode one image inside the replica: bytes, a path, an http(s)/file/data URL, or any
     `scheme://` URI pyarrow can read (s3://, gs://, hdfs://, ...)."""
-    from mmkit.image_io import load_image, load_image_bytes
+    from mmkit.multimodal.image_io import load_image, load_image_bytes
 
     if isinstance(source, str) and "://" in source[:32] and not source.lower().startswith(_LOCAL_SCHEMES):
         import pyarrow.fs
@@ -175,9 +175,11 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
     Rows are admitted `max_in_flight` at a time (default: all), so at most that many rows'
     images are decoded at once; the engine batches the admitted rows continuously.
     """
-    from mmkit.inputs import parse_prompt
+    from mmkit.engine.request_driver import RequestDriver
+    from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
+    driver = RequestDriver(engine)  # the one request driver and failure policy
     processor = engine.input_processor.hf_processor or llm.get_tokenizer()
     results: list[RowOutput | None] = [None] * len(rows)
     pending: dict[str, int] = {}
@@ -193,15 +195,12 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
         except Exception as exc:  # noqa: BLE001 - any failure of this row's input is this row's error
             results[i] = error_output(_message(exc))
             return
-        engine.add_processed(rid, processed, params, final_only=True)  # only finished rows are read
+        driver.add(rid, processed, params, final_only=True)  # only finished rows are read
         pending[rid] = i
 
     def fail(request_ids: list[str], exc: BaseException) -> None:
-        engine.abort_request(request_ids)
         for rid in request_ids:
-            i = pending.pop(rid, None)
-            if i is not None:
-                results[i] = error_output(_message(exc))
+            results[pending.pop(rid)] = error_output(_message(exc))
 
     try:
         while next_row < len(rows) or pending:
@@ -211,20 +210,18 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
             if not pending:
                 continue
             try:
-                step = engine.step_result()  # the engine's one step driver and failure policy
+                step = driver.step()
             except Exception as exc:  # noqa: BLE001 - the model call failed: the rows in flight carry it
+                driver.abort_all()  # a row's output column holds the engine error; later rows still run
                 fail(list(pending), exc)
                 continue
-            for rid, exc in step.errors.items():  # failed after admission: that row alone
+            for rid, exc in step.errors.items():  # failed after admission (or lost): that row alone
                 fail([rid], exc)
-            for out in step.outputs:
-                if out.finished and out.request_id in pending:
-                    i = pending.pop(out.request_id)
-                    results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)
-            if pending and not engine.has_unfinished_requests():
-                fail(list(pending), RuntimeError("the engine lost these requests"))
+            for out in step.finished:
+                i = pending.pop(out.request_id)
+                results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)
     except BaseException:
-        engine.abort_request(list(pending))
+        driver.abort_all()
         raise
     assert all(r is not None for r in results), "every row gets an output or an error"
     return results  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from PIL import Image
 
-from mmkit.image_io import load_image
+from mmkit.multimodal.image_io import load_image
 
 Conversation = list[dict[str, Any]]
 _ROLES = ("system", "user", "assistant")
@@ -77,7 +77,7 @@ def _parse_part(where: str, part: Any, images: list[Image.Image], videos: list |
         images.append(img)
         return {"type": "image"}
     if kind in ("video_url", "video") and videos is not None:
-        from mmkit.video_io import load_video
+        from mmkit.multimodal.video_io import load_video
 
         spec = part.get(kind)
         source = spec.get("url") if kind == "video_url" and isinstance(spec, dict) else spec

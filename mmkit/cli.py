@@ -123,7 +123,7 @@ def question_inputs(llm, image, question: str) -> dict:
 
 
 def cmd_caption(args) -> int:
-    from mmkit.image_io import load_image
+    from mmkit.multimodal.image_io import load_image
 
     from mmkit.cli_batch import generate_in_order
 
@@ -144,7 +144,7 @@ def cmd_caption(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    from mmkit.image_io import load_image
+    from mmkit.multimodal.image_io import load_image
 
     image = load_image(args.image, where=f"IMAGE {args.image}")
     llm = _make_llm(args)
@@ -157,7 +157,7 @@ def cmd_eval(args) -> int:
     if args.ray:
         return cmd_eval_ray(args)
     from mmkit.evaluation import ResultsFile, read_dataset, run_evaluation
-    from mmkit.image_io import load_image
+    from mmkit.multimodal.image_io import load_image
 
     items = read_dataset(args.data)
     results = ResultsFile(args.output)

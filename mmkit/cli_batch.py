@@ -18,8 +18,9 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     """
     from tqdm.auto import tqdm
 
+    from mmkit.engine.request_driver import RequestDriver
     from mmkit.errors import RequestFailedError
-    from mmkit.inputs import parse_prompt
+    from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
     ids = [f"cli-{i}" for i in range(len(inputs))]
@@ -28,30 +29,25 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     done: dict[int, Any] = {}
     failed: dict[int, BaseException] = {}
     next_shown = 0
-    added: list[str] = []
+    driver = RequestDriver(engine)  # the one request driver and failure policy
     bar = tqdm(total=len(ids), desc="Captioning", unit="image", disable=not show_progress, dynamic_ncols=True)
     try:
         for rid, (processed, sp) in zip(ids, ready):
-            engine.add_processed(rid, processed, sp, final_only=True)
-            added.append(rid)
-        while next_shown < len(ids):
-            step = engine.step_result()
+            driver.add(rid, processed, sp, final_only=True)
+        for step in driver.run():
             for rid, exc in step.errors.items():
                 failed[index[rid]] = exc
                 done[index[rid]] = None
                 bar.update(1)
-            for out in step.outputs:
-                if out.finished and out.request_id in index:
-                    done[index[out.request_id]] = out
-                    bar.update(1)
+            for out in step.finished:
+                done[index[out.request_id]] = out
+                bar.update(1)
             while next_shown in done:
                 if done[next_shown] is not None:
                     on_output(next_shown, done[next_shown])
                 next_shown += 1
-            if next_shown < len(ids) and not engine.has_unfinished_requests():
-                raise RuntimeError(f"engine lost requests {sorted(set(range(len(ids))) - set(done))}")
     except BaseException:
-        engine.abort_request([rid for rid in added if index[rid] not in done])
+        driver.abort_all()
         raise
     finally:
         bar.close()

@@ -96,7 +96,7 @@ class EngineConfig:
     tokenizer_path: str
     mm_processor_kwargs: Mapping[str, Any] = field(default_factory=dict)  # engine-wide processor options
     # Images of waiting requests preprocessed on worker threads, at most this many ahead
-    # (mmkit/engine/mm_prefetcher.py); 0 = on the engine thread at scheduling time.
+    # (mmkit/multimodal/prefetcher.py); 0 = on the engine thread at scheduling time.
     preprocess_lookahead: int = 0
 
 

@@ -267,12 +267,14 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     """
     from tqdm.auto import tqdm
 
-    from mmkit.inputs import parse_prompt
+    from mmkit.engine.request_driver import RequestDriver
+    from mmkit.multimodal.parse import parse_prompt
 
     if retry_errors:
         results.drop({i for i, r in results.records.items() if r.get("error") is not None})
     todo = [it for it in items if it.index not in results.records]
     engine = llm.llm_engine
+    driver = RequestDriver(engine)  # the one request driver and failure policy
     window = max_in_flight or max(2 * engine.config.scheduler.max_num_seqs, 64)
     in_flight: dict[str, EvalItem] = {}
     queue = iter(todo)
@@ -294,24 +296,22 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
                     results.write(make_record(item, None, str(exc)))
                     bar.update(1)
                     continue
-                engine.add_processed(rid, processed, sp, final_only=True)
+                driver.add(rid, processed, sp, final_only=True)
                 in_flight[rid] = item
             if not in_flight:
                 continue
-            step = engine.step_result()  # the engine's one step driver and failure policy
+            step = driver.step()
             for rid, exc in step.errors.items():
-                item = in_flight.pop(rid, None)
-                if item is not None:
-                    results.write(make_record(item, None, str(exc)))
-                    bar.update(1)
-            for out in step.outputs:
-                if out.finished and out.request_id in in_flight:
-                    item = in_flight.pop(out.request_id)
-                    text = out.outputs[0].text
-                    results.write(make_record(item, text.removeprefix(" ") if item.choices else text.strip(), None))
-                    bar.update(1)
+                item = in_flight.pop(rid)
+                results.write(make_record(item, None, str(exc)))
+                bar.update(1)
+            for out in step.finished:
+                item = in_flight.pop(out.request_id)
+                text = out.outputs[0].text
+                results.write(make_record(item, text.removeprefix(" ") if item.choices else text.strip(), None))
+                bar.update(1)
     except BaseException:
-        engine.abort_request(list(in_flight))
+        driver.abort_all()
         raise
     finally:
         bar.close()

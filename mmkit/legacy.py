@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmkit.inputs import MultiModalData, multi_modal_from_dict
+from mmkit.multimodal.parse import MultiModalData, multi_modal_from_dict
 
 _NEW_FORMS = {
     "prompts": "llm.generate(\"text\") or llm.generate([\"text\", ...])",

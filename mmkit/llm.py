@@ -11,9 +11,11 @@ from tqdm.auto import tqdm
 from mmkit.chat import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
+from mmkit.engine.request_driver import RequestDriver
 from mmkit.errors import RequestFailedError
-from mmkit.inputs import PromptInputs, parse_inputs
 from mmkit.legacy import legacy_to_inputs
+from mmkit.multimodal import supported_modalities
+from mmkit.multimodal.parse import PromptInputs, parse_inputs
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -70,8 +72,7 @@ class LLM:
                                       prompt_name=legacy_name)
         if inputs is None:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
-        prefetcher = self.llm_engine.prefetcher
-        parsed = parse_inputs(inputs, prefetcher.map if prefetcher is not None else map)
+        parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
         params_list = self._params_list(sampling_params, len(parsed))
         return self._run(parsed, params_list, use_tqdm)
 
@@ -96,7 +97,7 @@ class LLM:
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        allow_video = "video" in getattr(self.llm_engine.input_processor, "supported_modalities", ("image",))
+        allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
 
@@ -125,15 +126,14 @@ class LLM:
         ready = [engine.process_request(rid, p, sp) for rid, p, sp in zip(ids, parsed, params_list)]
         results: dict[str, RequestOutput] = {}
         errors: dict[str, BaseException] = {}
-        added: list[str] = []
+        driver = RequestDriver(engine)
         try:
             for rid, (processed, params) in zip(ids, ready):
-                engine.add_processed(rid, processed, params, final_only=True)
-                added.append(rid)
-            self._drive(set(ids), results, errors, use_tqdm)
+                driver.add(rid, processed, params, final_only=True)
+            self._drive(driver, results, errors, use_tqdm)
         except BaseException:
             # Includes KeyboardInterrupt: the engine must not keep half a batch.
-            engine.abort_request(added)
+            driver.abort_all()
             raise
         if errors:
             index = {rid: i for i, rid in enumerate(ids)}
@@ -143,31 +143,23 @@ class LLM:
             raise error from failed[min(failed)]
         return [results[rid] for rid in ids]
 
-    def _drive(self, pending: set[str], results: dict[str, RequestOutput], errors: dict[str, BaseException],
+    @staticmethod
+    def _drive(driver: RequestDriver, results: dict[str, RequestOutput], errors: dict[str, BaseException],
                use_tqdm: bool) -> None:
-        engine = self.llm_engine
-        bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(driver), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         num_in = num_out = 0
         try:
-            while pending:
-                step = engine.step_result()
-                for rid, exc in step.errors.items():
-                    if rid in pending:
-                        pending.discard(rid)
-                        errors[rid] = exc
-                        bar.update(1)
-                for out in step.outputs:
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        num_in += len(out.prompt_token_ids)
-                        num_out += sum(len(c.token_ids) for c in out.outputs)
-                        elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, "
-                                            f"output: {num_out / elapsed:.1f} toks/s", refresh=False)
-                        bar.update(1)
-                if pending and not engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine lost requests {sorted(pending)}")
+            for step in driver.run():
+                errors.update(step.errors)
+                bar.update(len(step.errors))
+                for out in step.finished:
+                    results[out.request_id] = out
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, "
+                                        f"output: {num_out / elapsed:.1f} toks/s", refresh=False)
+                    bar.update(1)
         finally:
             bar.close()

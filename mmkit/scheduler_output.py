@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import torch
 
-from mmkit.inputs import ImageItem
+from mmkit.multimodal.items import ImageItem
 from mmkit.sampling_params import SamplingParams
 
 

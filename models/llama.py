@@ -16,12 +16,13 @@ from transformers.activations import ACT2FN
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import fuse_quantized
-from mmkit.layers import cpu_kernels
+from mmkit.layers import cpu_kernels, fused_f32
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
+from mmkit.models.moe import SparseMoeBlock
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack_for_onednn(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available() and os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0")
 
@@ -44,7 +45,7 @@ class Linear(nn.Linear):
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
-            if _can_pack(self.weight) else None
+            if can_pack_for_onednn(self.weight) else None
         if self._packed is not None and release_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -67,6 +68,9 @@ def pack_linears(module: nn.Module, release_weights: bool = False) -> int:
         if isinstance(m, Linear):
             m.pack(release_weights)
             count += m._packed is not None
+        elif isinstance(m, SparseMoeBlock):  # its experts pack themselves (models/moe.py)
+            m.pack()
+            count += m.experts._packed is not None
     return count
 
 # HF text model types whose q/k/v projections carry a bias (the Qwen2 block).
@@ -121,15 +125,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, hidden_act: str | None = None) -> None:
+        """`hidden_act`: the activation when the config names it otherwise (default `hidden_act`)."""
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
-        self.is_silu = config.hidden_act == "silu"
+        hidden_act = hidden_act or config.hidden_act
+        self.act = ACT2FN[hidden_act]
+        self.is_silu = hidden_act == "silu"
         self.gate_up_proj: nn.Linear | None = None
 
     @torch.no_grad()
@@ -141,8 +147,9 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if self.is_silu and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            fused = cpu_kernels.silu_mul_bf16(gate_up)  # one pass instead of silu, then mul
+        if self.is_silu and gate_up.device.type == "cpu" and gate_up.dtype in (torch.bfloat16, torch.float32):
+            # one pass instead of split, silu, then mul
+            fused = (cpu_kernels.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else fused_f32.silu_mul)(gate_up)
             if fused is not None:
                 return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

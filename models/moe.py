@@ -10,7 +10,10 @@ them, so float32 outputs match it bit for bit for the same row groups.
 
 Weights keep transformers 5's layout, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`;
 the hub's transposed `[E, H, 2I]` / `[E, I, H]` is transposed on load (`checkpoint_tensor`),
-as transformers' own `Transpose(1, 2, check_dims=True)` conversion does.
+as transformers' own `Transpose(1, 2, check_dims=True)` conversion does. In bfloat16 on CPU
+each expert's two weights are pre-packed once for oneDNN (`pack`, as models/llama.py's
+`Linear`): `F.linear` would reorder them on every call, which cost more than an expert's
+matmul at decode sizes (bit-identical results; float32 keeps `F.linear`, transformers' call).
 """
 
 from __future__ import annotations
@@ -46,6 +49,40 @@ class MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
         self.act = ACT2FN[config.hidden_act]
+        self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert (gate_up, down)
+
+    @torch.no_grad()
+    def pack(self, release_weight: bool = True) -> None:
+        """bf16 on CPU: each expert's weights in oneDNN's blocked layout, once (after the final
+        cast). The row-major copies are dropped by default: experts are most of a MoE model's
+        weights and are never shared, so keeping both would double its memory."""
+        from mmkit.models.llama import can_pack_for_onednn
+
+        if not can_pack_for_onednn(self.gate_up_proj):
+            self._packed = None
+            return
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self._packed = [(reorder(self.gate_up_proj[e].contiguous(), 1), reorder(self.down_proj[e].contiguous(), 1))
+                        for e in range(self.num_experts)]
+        if release_weight:
+            empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
+            self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+            self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+
+    def weight_nbytes(self) -> int:
+        """Bytes held: the row-major weights (unless released) and the packed copies."""
+        held = [self.gate_up_proj, self.down_proj] + [w for pair in self._packed or [] for w in pair]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, H] -> down(act(gate) * up) [n, H] with expert e's weights."""
+        if self._packed is not None and rows.dtype == torch.bfloat16:
+            gate_up, down = self._packed[e]
+            linear = torch.ops.mkldnn._linear_pointwise
+            gate, up = linear(rows, gate_up, None, "none", [None], "").chunk(2, dim=-1)
+            return linear(self.act(gate) * up, down, None, "none", [None], "")
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[e])
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor for parameter `name` in mmkit's layout: the hub's transposed
@@ -63,20 +100,20 @@ class MoeExperts(nn.Module):
         perm = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[perm // k]  # [T * k, H], grouped
+        scale = weights.reshape(-1)[perm, None]  # [T * k, 1], each pair's routing weight
         out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts):  # one matmul pair per expert hit, never per token
             if n:
-                gate, up = F.linear(rows[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out[start:start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
+                # scaled per expert as HF does (one pass less over the [T * k, H] rows)
+                torch.mul(self._expert(e, rows[start:start + n]), scale[start:start + n], out=out[start:start + n])
                 start += n
-        out = out * weights.reshape(-1)[perm, None]
         pairs = torch.empty_like(out)
         pairs[perm] = out
         pairs = pairs.view(num_tokens, k, -1)
-        total = pairs[:, 0]
+        total = pairs[:, 0].clone()
         for j in range(1, k):  # HF: zeros, then += each expert's share in id order
-            total = total + pairs[:, j]
+            total += pairs[:, j]
         return total
 
 
@@ -91,6 +128,9 @@ class SparseMoeBlock(nn.Module):
 
     def fuse_weights(self) -> None:
         """The experts' gate/up projections are stored fused already."""
+
+    def pack(self, release_weight: bool = True) -> None:
+        self.experts.pack(release_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]

@@ -8,8 +8,9 @@ any weight is read, and the decoder-linear replacement.
 - `CompressedTensorsLoader` collects a quantized module's tensors while the checkpoint streams
   (`weight_packed` / int8 `weight` / fp8 `weight`, `weight_scale`, `weight_zero_point`) and
   installs a `QuantizedLinear` / `Fp8Linear` in place of the meta `Linear`; integers stay integer.
-- `quantize_decoder_linears` replaces every Linear under `language_model.layers` (q/k/v/o and
-  gate/up/down, fused or not) by its online int8/int4 form.
+- `OnlineQuantLoader` quantizes the decoder's linears (q/k/v/o and gate/up/down) online, tensor
+  by tensor as the checkpoint streams; `quantize_decoder_linears` does the same on a loaded model
+  (any Linear under `language_model.layers` still unquantized: fused or not).
 """
 
 from __future__ import annotations
@@ -143,6 +144,49 @@ def quantize_decoder_linears(model: nn.Module, spec: QuantizationSpec) -> int:
                     setattr(parent, name, QuantizedLinear(_to_device(qw, w.device), child.bias))
                     count += 1
     return count
+
+
+class OnlineQuantLoader:
+    """Online int8/int4 while the checkpoint streams (the `load_weights` quant-loader interface,
+    as `CompressedTensorsLoader`): each decoder linear's weight is quantized from the checkpoint
+    tensor itself (float32 formula, exact for float32/bf16/fp16 checkpoints) as it is read, so
+    the engine-dtype copy of the decoder's linears never exists: the load peaks at the quantized
+    model plus one tensor instead of the whole unquantized model."""
+
+    def __init__(self, spec: QuantizationSpec, model: nn.Module) -> None:
+        self.spec = spec
+        self.shapes = {f"language_model.layers.{i}.{name}": tuple(m.weight.shape)
+                       for i, layer in enumerate(model.language_model.layers)
+                       for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        self.weights: dict[str, Any] = {}  # module name -> QuantizedWeight
+
+    def claims(self, key: str, name: str, tensor) -> bool:
+        from mmkit.layers.quant_pack import quantize_int4, quantize_int8
+
+        module, _, suffix = name.rpartition(".")
+        if suffix != "weight" or module not in self.shapes:
+            return False
+        if tuple(tensor.shape) != self.shapes[module]:
+            raise ValueError(f"model: weight {key!r} has shape {tuple(tensor.shape)} in the checkpoint; the config "
+                             f"implies {self.shapes[module]}")
+        self.weights[module] = quantize_int8(tensor) if self.spec.method == "int8" else \
+            quantize_int4(tensor, self.spec.group_size)
+        return True
+
+    def install(self, model: nn.Module, dtype, device) -> list[str]:
+        """Replace each quantized module (its bias, if any, is loaded by now)."""
+        from mmkit.layers.quantized_linear import QuantizedLinear
+
+        for module_name, qw in self.weights.items():
+            parent_name, _, attr = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            if old.bias is not None and old.bias.is_meta:
+                raise ValueError(f"model: checkpoint lacks the bias of {module_name}")
+            setattr(parent, attr, QuantizedLinear(_to_device(qw, device or "cpu"), old.bias))
+        replaced = [n + ".weight" for n in self.weights]
+        self.weights.clear()
+        return replaced
 
 
 def _to_device(qw, device):

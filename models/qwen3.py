@@ -11,6 +11,7 @@ qkv / gate-up matmuls, paged attention, bf16 C kernels) is `models/llama.py`'s.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.rotary import StepRope
@@ -19,10 +20,12 @@ from mmkit.models.moe import SparseMoeBlock, is_moe_layer
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_cls: type[nn.Module] = RMSNorm  # a decoder with another norm arithmetic swaps it (Gemma 3)
+
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
 
     def rotate_qk(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
         # qkv: [T, nh + 2 * nkv, hd]. Each head row normalised as HF's `q_norm(q.view(..., hd))`;

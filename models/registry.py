@@ -185,6 +185,9 @@ _register("Idefics3ForConditionalGeneration", "mmkit.models.idefics3:Idefics3For
           processor="mmkit.processors.idefics3:Idefics3InputProcessor", model_types=("idefics3",))
 _register("SmolVLMForConditionalGeneration", "mmkit.models.idefics3:SmolVLMForConditionalGeneration",
           processor="mmkit.processors.idefics3:SmolVLMInputProcessor", model_types=("smolvlm",))
+# Gemma 3 (models/gemma3.py, processors/gemma3.py)
+_register("Gemma3ForConditionalGeneration", "mmkit.models.gemma3:Gemma3ForConditionalGeneration",
+          processor="mmkit.processors.gemma3:Gemma3InputProcessor", model_types=("gemma3",))
 # InternVL -HF (models/internvl.py, processors/internvl.py)
 _register("InternVLForConditionalGeneration", "mmkit.models.internvl:InternVLForConditionalGeneration",
           processor="mmkit.processors.internvl:InternVLInputProcessor", model_types=("internvl",))

@@ -12,6 +12,7 @@ from torch import nn
 
 from mmkit.models.checkpoint_keys import KeyMapper, transformers_key_mapper
 from mmkit.models.meta_init import meta_tensor_names
+from mmkit.models.quantization import ONLINE_METHODS, OnlineQuantLoader
 
 # Buffers some old checkpoints carry that mmkit recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
@@ -169,6 +170,8 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
         from mmkit.models.compressed_tensors_loader import CompressedTensorsLoader
 
         quant_loader = CompressedTensorsLoader(spec)
+    elif spec is not None and spec.method in ONLINE_METHODS:
+        quant_loader = OnlineQuantLoader(spec, model)
     load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device, quant_loader)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight

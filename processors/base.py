@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import MultiModalItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 
 
@@ -19,10 +20,12 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     # One range per item, in item order: the positions its embedding rows replace.
     placeholder_ranges: list[PlaceholderRange] = field(default_factory=list)
-    images: list[ImageItem] = field(default_factory=list)
+    # Every item (images, videos, spans) in placeholder order; the family builds them.
+    images: list[MultiModalItem] = field(default_factory=list)
     # Embeddings given by the user, one [num_tokens_i, hidden] per item (a [N, L, hidden]
-    # tensor is N items); they skip the vision tower.
-    image_embeds: torch.Tensor | None = None
+    # tensor is N items, or a list); they skip the vision tower. In a list, a None entry is an
+    # item of `images` that mmkit encodes (a video beside given image embeddings).
+    image_embeds: torch.Tensor | list[torch.Tensor | None] | None = None
     # M-RoPE models only (see mmkit.models.interfaces.SupportsMRoPE): [3, num_prompt_tokens]
     # positions and the offset of generated tokens (position = index + delta).
     mrope_positions: torch.Tensor | None = None
@@ -54,7 +57,8 @@ class InputProcessor(Protocol):
         token ids with placeholders expanded, placeholder ranges, M-RoPE positions."""
         ...
 
-    def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
-        """At scheduling time (when the scheduler schedules the item's encoding): the item's
-        model inputs for `embed_multimodal`. A failure here fails that request alone."""
+    def mm_item_inputs(self, item: MultiModalItem) -> MultiModalKwargs:
+        """The item's model inputs for `embed_multimodal`: run by the input stage
+        (`mmkit/multimodal/stage.py`) on a prefetch worker while the request waits. A failure
+        here fails that request alone."""
         ...

@@ -16,13 +16,14 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.spans import SpanItem, checked_token_ids, count_error, expand_spans
-from mmkit.video_inputs import parse_videos
+from mmkit.multimodal.video import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
 def _is_longest_edge(size: Any) -> bool:
@@ -82,9 +83,9 @@ class Idefics3InputProcessor:
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
         videos = []
         if parsed.video_data is not None:
-            if self.video_processor is None:
-                raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.name} takes images only (video "
-                                 "input is SmolVLM's: SmolVLMForConditionalGeneration); expected 'image'")
+            if self.video_processor is None:  # a SmolVLM checkpoint saved without its video processor
+                raise ValueError(f"{where}.multi_modal_data: got a 'video'; this checkpoint's processor has no "
+                                 "video processor")
             if getattr(self.video_processor, "do_sample_frames", False):
                 # NOTE: transformers refuses to sample given frames without their frame rate too.
                 raise ValueError(f"{where}.multi_modal_data['video']: this checkpoint's video processor samples "

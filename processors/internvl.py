@@ -17,7 +17,8 @@ import json
 from dataclasses import replace
 from typing import Any, Mapping
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.internvl import tokens_per_tile
 from mmkit.processors.base import ProcessedPrompt

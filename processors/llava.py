@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.registry import get_model_class
 from mmkit.processors.base import ProcessedPrompt
@@ -55,9 +56,9 @@ class LlavaInputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.video_data is not None:
-            raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.model_config.architecture} takes "
-                             "images only (expected 'image')")
+        if parsed.image_embeds_fields:
+            raise ValueError(f"{where}.multi_modal_data: got image embeddings with {sorted(parsed.image_embeds_fields)}; "
+                             f"{self.model_config.architecture} takes a tensor [N, tokens, hidden_size] only")
         if parsed.mm_processor_kwargs:
             raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
                              f"{self.model_config.architecture} takes no processor options")

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.llava import LlavaInputProcessor
@@ -101,7 +102,8 @@ class LlavaNextInputProcessor(LlavaInputProcessor):
 
 class LlavaOnevisionInputProcessor(LlavaNextInputProcessor):
     """LLaVA-OneVision (images): one image per prompt is tiled (anyres_max); the images of a
-    multi-image prompt are each their base view (as transformers does). Video is refused."""
+    multi-image prompt are each their base view (as transformers does). Video is refused by the
+    generic input path (`supported_modalities` is image only)."""
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -113,9 +115,6 @@ class LlavaOnevisionInputProcessor(LlavaNextInputProcessor):
 
     def choose_layouts(self, parsed: ParsedPrompt) -> ParsedPrompt:
         where = f"inputs[{parsed.index}]"
-        if getattr(parsed, "videos", None):
-            raise ValueError(f"{where}.multi_modal_data: video inputs are not supported yet for "
-                             f"LlavaOnevisionForConditionalGeneration; expected images")
         if self.video_token_id is not None:
             ids = parsed.prompt_token_ids if parsed.prompt is None else self.tokenizer(parsed.prompt).input_ids
             if self.video_token_id in ids:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ParsedPrompt
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.models.mistral3 import Mistral3ForConditionalGeneration, merged_grid
 from mmkit.processors.base import ProcessedPrompt
@@ -55,9 +55,6 @@ class Mistral3InputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.video_data is not None:
-            raise ValueError(f"{where}.multi_modal_data: got a 'video'; {self.name} takes images only "
-                             "(expected 'image')")
         if parsed.mm_processor_kwargs:
             raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; {self.name} takes "
                              "no processor options")

@@ -17,13 +17,15 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.inputs import ImageItem, ParsedPrompt
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.video_inputs import parse_videos
+from mmkit.multimodal.video import parse_videos
+from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}
@@ -41,6 +43,14 @@ class VisionItem:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # effective mm_processor_kwargs
     time_interval: float = 1.0  # M-RoPE temporal step
     _hash: str | None = None
+
+    @property
+    def processor_options(self) -> dict[str, Any]:
+        return self.processor_kwargs
+
+    @property
+    def layout(self) -> str:
+        return ""  # one layout: the grid follows from the size and the options
 
     def content_hash(self) -> str:
         """SHA-256 over the modality, the processor options and every frame's pixels: the same
@@ -85,18 +95,19 @@ class Qwen2VLInputProcessor:
         self.tokens_per_second = getattr(hf.vision_config, "tokens_per_second", None)  # Qwen2.5-VL only
         self.max_items = {m: int(limit_mm_per_prompt.get(m, 8 if m == "image" else 1)) for m in ("image", "video")}
         self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
+        self.deepstack_layers = 0  # Qwen3-VL: DeepStack feature sets carried beside given image embeddings
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.image_embeds is not None:
-            raise ValueError(f"{where}.multi_modal_data: image embeddings are not supported for "
-                             f"{self.model_config.architecture}; pass images")
         kwargs = {**self.default_kwargs,
                   **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
         videos = [] if parsed.video_data is None else parse_videos(f"{where}.multi_modal_data['video']",
                                                                     parsed.video_data)
         given = {"image": list(parsed.images), "video": videos}
+        if parsed.image_embeds is not None:  # processors/qwen_embeds.py: the layout and its checks
+            given["image"] = given_image_items(where, parsed, self.merge_size, self.model_config.hidden_size,
+                                               self.deepstack_layers)
         for modality, items in given.items():
             if len(items) > self.max_items[modality]:
                 raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
@@ -109,16 +120,19 @@ class Qwen2VLInputProcessor:
             if bad:
                 raise ValueError(f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in "
                                  f"[0, {self.vocab_size})")
-        vision = {m: [self._vision_item(f"{where}.multi_modal_data.{m}[{i}]", m, item, kwargs)
+        vision = {m: [item if isinstance(item, GivenEmbedsItem)
+                      else self._vision_item(f"{where}.multi_modal_data.{m}[{i}]", m, item, kwargs)
                       for i, item in enumerate(items)] for m, items in given.items()}
         ids, ranges, ordered = self._expand(where, ids, vision, allow_expanded=parsed.prompt is None)
         positions, delta = mrope_positions(len(ids), self._mrope_items(ranges, ordered))
         self._check_positions(where, positions, delta, kwargs)
         # NOTE: `images` holds every item (images and videos) in placeholder order: the
         # scheduler pairs item i with range i and hashes it with `VisionItem.content_hash`.
+        # Given embeddings: one entry per item, None for an item mmkit encodes (a video).
+        embeds = None if parsed.image_embeds is None else [getattr(item, "embeds", None) for item in ordered]
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
-                               placeholder_ranges=ranges, images=ordered, mrope_positions=positions,
-                               mrope_position_delta=delta, mm_processor_kwargs=kwargs)
+                               placeholder_ranges=ranges, images=ordered, image_embeds=embeds,
+                               mrope_positions=positions, mrope_position_delta=delta, mm_processor_kwargs=kwargs)
 
     def _check_positions(self, where: str, positions: torch.Tensor, delta: int, kwargs: dict) -> None:
         """M-RoPE positions index the decoder's rotary table (2 x max positions, see

@@ -47,6 +47,7 @@ class Qwen3VLInputProcessor(Qwen2VLInputProcessor):
         self.tokens_per_second = None  # Qwen3-VL has no temporal scale: timestamps are text
         self.vision_start_id = model_config.hf_config.vision_start_token_id
         self.vision_end_id = model_config.hf_config.vision_end_token_id
+        self.deepstack_layers = len(model_config.hf_config.vision_config.deepstack_visual_indexes)
 
     def _vision_item(self, where: str, modality: str, frames: Any, kwargs: dict) -> VisionItem:
         if modality == "image":

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mmkit.inputs import ImageItem
+from mmkit.multimodal.items import ImageItem
 from mmkit.models.interfaces import PlaceholderRange
 
 
@@ -31,6 +31,14 @@ class SpanItem:
     options: dict[str, Any] = field(default_factory=dict)  # effective processor options of the item
     where: str = "image"
     _hash: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def processor_options(self) -> dict[str, Any]:
+        return self.options
+
+    @property
+    def layout(self) -> str:
+        return ""  # the span itself is the layout (part of the hash)
 
     def content_hash(self) -> str:
         """SHA-256 over the modality, the options, the span and every frame's pixels: the same

@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoids 20-1
 # instead of reading or writing outside the KV cache (mmkit/layers/cpu_kernels.py).
 os.environ.setdefault("MMKIT_KERNEL_CHECKS", "1")
 
+import math
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -120,20 +121,46 @@ def get_llm(path, device="cpu", **kwargs):
     return _cached_llm(str(path), device, tuple(sorted(kwargs.items())))
 
 
-def bf16_agreement(path, device, inputs, refs, max_tokens: int = 16) -> float:
-    """Greedy bf16 runs of mmkit and of transformers' own bf16 generate on the same inputs:
-    the share of reference tokens generated before the first divergence (1.0 = all equal).
-    bf16 near-ties can flip under different (equally valid) rounding, hence a rate."""
+def _bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significand bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+def assert_bf16_matches_hf(path, device, inputs, refs, max_tokens: int = 16, max_ulps: int = 4) -> int:
+    """Greedy bf16 runs of mmkit and of transformers' own bf16 generate on the same inputs
+    (`refs[i]`: hf_greedy keyword arguments with `prompt`, optional `images`). Every sequence
+    must equal transformers', or first differ where transformers' own bf16 logits (a forward over
+    the prompt and the tokens both agreed on) put the two tokens within `max_ulps` bf16 ulps of
+    each other: a tie that another (equally valid) rounding order flips, not a bug. Returns the
+    number of equal sequences. Nothing here depends on how fast or how loaded the machine is."""
     from mmkit import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", device=device)
     outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    ref = [hf_greedy(path, max_new_tokens=max_tokens, dtype=torch.bfloat16, ignore_eos=True, **r) for r in refs]
-    agreed = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
-                 for g, r in zip(got, ref))
-    return agreed / sum(len(r) for r in ref)
+    model, processor = _hf_model(str(path), torch.bfloat16)
+    num_equal = 0
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        got = list(out.outputs[0].token_ids)
+        expected = hf_greedy(path, max_new_tokens=max_tokens, dtype=torch.bfloat16, ignore_eos=True, **ref)
+        if got == expected:
+            num_equal += 1
+            continue
+        k = next(j for j, (a, b) in enumerate(zip(got, expected)) if a != b)
+        hf_inputs = dict(processor(text=ref["prompt"], images=ref.get("images"), return_tensors="pt"))
+        prefix = torch.tensor([expected[:k]], dtype=torch.long)
+        length = hf_inputs["input_ids"].shape[1]
+        for key, value in list(hf_inputs.items()):  # every per-token row grows with the prefix
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+                fill = prefix if key == "input_ids" else (torch.ones_like(prefix) if key == "attention_mask"
+                                                          else torch.zeros_like(prefix))
+                hf_inputs[key] = torch.cat([value, fill.to(value.dtype)], 1)
+        with torch.no_grad():
+            logits = model(**hf_inputs).logits[0, -1].float()
+        gap = abs(float(logits[expected[k]] - logits[got[k]]))
+        assert gap <= max_ulps * _bf16_ulp(float(logits[expected[k]])), \
+            f"inputs[{i}]: token {k} is {got[k]}, transformers' {expected[k]}; logit gap {gap:g} is no bf16 tie"
+    return num_equal
 
 
 _HF_REFS: dict = {}

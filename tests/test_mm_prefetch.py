@@ -1,4 +1,4 @@
-"""Overlapped preprocessing (mmkit/engine/mm_prefetcher.py): identical outputs with and
+"""Overlapped preprocessing (mmkit/multimodal/prefetcher.py): identical outputs with and
 without it, a bounded lookahead, and a worker failure that ends only its own request."""
 
 import threading

@@ -89,12 +89,12 @@ def test_n3_shares_prompt_blocks(tiny_ckpt):
     prompt_blocks = -(-num_prompt // 16)
     assert num_prompt % 16 != 0  # the last prompt block is partial (exercises copy-on-write)
     assert len(group.seqs) == 3
-    tables = [s.block_table for s in group.seqs]
+    tables = [bm.get_block_ids(s) for s in group.seqs]
     assert tables[0] == tables[1] == tables[2] and len(tables[0]) == prompt_blocks
     assert all(bm.ref_counts[b] == 3 for b in tables[0])
     assert bm.num_free_blocks == 32 - prompt_blocks  # allocated once, not three times
     engine.step()  # each sample writes its first token: the shared partial block is copied
-    tables = [s.block_table for s in group.seqs]
+    tables = [bm.get_block_ids(s) for s in group.seqs]
     full = num_prompt // 16
     assert tables[0][:full] == tables[1][:full] == tables[2][:full]
     assert all(bm.ref_counts[b] == 3 for b in tables[0][:full])

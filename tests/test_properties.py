@@ -91,7 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         group = self.groups.pop(rid)
         assert self.sched.abort_request(rid) is group  # what LLMEngine.abort_request does
         self.aborted.add(rid)
-        assert all(s.is_finished and s.block_table == [] for s in group.seqs)
+        assert all(s.is_finished and self.bm.get_block_ids(s) == () for s in group.seqs)
 
     @precondition(lambda self: any(s.num_output_tokens > 0 for s in self.sched.running))
     @rule(data=st.data())
@@ -114,16 +114,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq, num_new in scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             assert num_new > 0 and not seq.is_finished and seq.status is SequenceStatus.RUNNING
-            assert len(seq.block_table) >= blocks_needed(end, bs)
-            blocks = seq.block_table[start // bs: (end - 1) // bs + 1]
+            assert len(self.bm.get_block_ids(seq)) >= blocks_needed(end, bs)
+            blocks = self.bm.get_block_ids(seq)[start // bs: (end - 1) // bs + 1]
             for block_id in blocks:
                 assert block_id not in written, f"block {block_id} written by two sequences"
                 written.add(block_id)
                 # NOTE: a block written this step is this sequence's alone, except that a prefix-cache
                 # hit later in the same step may read it (as a full, computed block): never write it.
-                holders = [t for t in self._live_seqs() if t is not seq and block_id in t.block_table]
+                holders = [t for t in self._live_seqs() if t is not seq and block_id in self.bm.get_block_ids(t)]
                 for other in holders:
-                    index = other.block_table.index(block_id)
+                    index = self.bm.get_block_ids(other).index(block_id)
                     assert (index + 1) * bs <= other.num_computed_tokens or any(
                         x is other and x.num_computed_tokens >= (index + 1) * bs for x, _ in scheduled), \
                         f"{seq} writes block {block_id} that {other} may also write"
@@ -132,7 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                         (seq, block_id, self.bm.ref_counts[block_id])
         out_of_cache = self.sched.take_finished_while_scheduling()
         for seq in out_of_cache:
-            assert seq.is_finished and seq.block_table == []
+            assert seq.is_finished and self.bm.get_block_ids(seq) == ()
             self._retire(seq.group)
         # The runner's part: one row per sampled sequence, n rows for a prompt that forks.
         sampled = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
@@ -167,8 +167,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for group in self.all_groups.values():
             for seq in group.seqs + group.pending_forks:
                 if seq.is_finished:
-                    assert seq.block_table == [], f"finished {seq} still holds blocks"
-                refs.update(seq.block_table)
+                    assert self.bm.get_block_ids(seq) == (), f"finished {seq} still holds blocks"
+                refs.update(self.bm.get_block_ids(seq))
         assert min(bm.ref_counts) >= 0
         for block_id in range(bm.num_blocks):
             assert bm.ref_counts[block_id] == refs[block_id], (block_id, bm.ref_counts[block_id], refs[block_id])
@@ -183,7 +183,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         waiting, running = list(self.sched.waiting), self.sched.running
         assert len({id(s) for s in waiting + running}) == len(waiting) + len(running)
-        assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in waiting)
+        assert all(s.status is SequenceStatus.WAITING and not self.bm.get_block_ids(s) for s in waiting)
         assert all(s.status is SequenceStatus.RUNNING for s in running)
         live = {id(s) for g in self.groups.values() for s in g.seqs if not s.is_finished}
         assert {id(s) for s in waiting + running} == live

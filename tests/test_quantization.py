@@ -128,6 +128,32 @@ def test_online_matches_round_trip(bases, family, method):
     assert metrics["model_weight_bytes"] < base["model_weight_bytes"]
 
 
+def test_online_quantizes_checkpoint_tensors_as_they_stream(bases, monkeypatch):
+    """bf16 engine, float32 checkpoint: each decoder linear is quantized from the checkpoint's
+    float32 tensor (not from a bf16-rounded copy), while the weights stream."""
+    from safetensors.torch import load_file
+
+    import mmkit.worker.model_loader as loader
+    from mmkit.layers.quantized_linear import QuantizedLinear
+
+    path = bases["llava"]
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    calls = []
+    after_load = loader.quantize_decoder_linears
+    monkeypatch.setattr(loader, "quantize_decoder_linears", lambda m, spec: calls.append(after_load(m, spec)))
+    llm = LLM(str(path), dtype="bfloat16", seed=0, quantization="int8")
+    assert calls == [0]  # nothing left for the after-load pass
+    layer = llm.llm_engine.model_runner.model.language_model.layers[0]
+    assert isinstance(layer.mlp.down_proj, QuantizedLinear)
+    key = next(k for k in state if k.endswith("layers.0.mlp.down_proj.weight"))
+    assert state[key].dtype == torch.float32
+    expected = quantize_int8(state[key])
+    assert torch.equal(layer.mlp.down_proj.qweight.qweight, expected.qweight)
+    assert torch.equal(layer.mlp.down_proj.qweight.scales, expected.scales)
+
+
 def test_online_formulas():
     w = torch.randn(8, 64)
     w[3] = 0

@@ -149,7 +149,7 @@ def test_bad_inputs(qwen_ckpt):
         ({"prompt": P_IMG, "multi_modal_data": {"image": make_image(6, 402, 2)}}, ValueError,
          r"inputs\[1\]\.multi_modal_data\.image\[0\]: got a 402x2 image: absolute aspect ratio must be smaller than 200"),
         ({"prompt": P_IMG, "multi_modal_data": {"image_embeds": torch.zeros(1, 4, 64)}}, ValueError,
-         "image embeddings are not supported"),
+         r"inputs\[1\]\.multi_modal_data: got image embeddings without 'image_grid_thw'"),
     ]
     for item, exc, match in bad:
         with pytest.raises(exc, match=match):

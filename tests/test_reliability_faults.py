@@ -34,7 +34,7 @@ def live_block_refs(engine) -> Counter:
     for group in engine.groups.values():
         for seq in group.seqs:
             if not seq.is_finished:
-                refs.update(seq.block_table)
+                refs.update(engine.block_manager.get_block_ids(seq))
     return refs
 
 
@@ -123,12 +123,12 @@ def test_abort_preempted_running_and_waiting(small_engine, tiny_ckpt):
         if preempted_seqs(engine):
             break
     victim = preempted_seqs(engine)[0]
-    assert victim.block_table == [] and victim.num_computed_tokens == 0
+    assert engine.block_manager.get_block_ids(victim) == () and victim.num_computed_tokens == 0
     aborted = {victim.group.request_id}
     engine.abort_request(victim.group.request_id)
     check_blocks(engine)
     running = engine.scheduler.running[0]
-    assert running.block_table
+    assert engine.block_manager.get_block_ids(running)
     aborted.add(running.group.request_id)
     engine.abort_request(running.group.request_id)
     check_blocks(engine)
@@ -161,7 +161,7 @@ def test_abort_forked_samples_frees_shared_blocks(small_engine):
         group = engine.groups["fork"]
         if len(group.seqs) == 3 and all(s.num_output_tokens >= 3 for s in group.seqs):
             break
-    shared = set(group.seqs[0].block_table[:1])
+    shared = set(engine.block_manager.get_block_ids(group.seqs[0])[:1])
     assert any(engine.block_manager.ref_counts[b] > 1 for b in shared)
     engine.abort_request("fork")
     check_blocks(engine)
@@ -184,10 +184,10 @@ def test_abort_during_chunked_prefill(tiny_ckpt):
     engine.step()
     engine.step()
     seq = engine.groups["img"].seqs[0]
-    assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens and seq.block_table
+    assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens and engine.block_manager.get_block_ids(seq)
     engine.abort_request("img")
     assert_engine_empty(engine)
-    assert engine.groups == {} and seq.block_table == []
+    assert engine.groups == {} and engine.block_manager.get_block_ids(seq) == ()
 
 
 # ---------------------------------------------------------------------- injected exceptions

@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from mmkit import LLM, SamplingParams
+from mmkit.multimodal import supported_modalities
 from mmkit.testing import build_tiny_checkpoint, tiny_architectures
 
 
@@ -30,3 +31,14 @@ def test_toy_checkpoint_generates(architecture, tmp_path):
         assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
     # The image's placeholder was expanded to the model's image tokens: the prompt grew.
     assert len(with_image.prompt_token_ids) > len(llm.get_tokenizer()("What is in the image?").input_ids) + 4
+    # A modality the family's processor does not declare is refused by the generic input path,
+    # with one message (no family writes its own, none silently drops the video).
+    supported = supported_modalities(llm.llm_engine.input_processor)
+    if "video" not in supported:
+        expected = (f"inputs[1].multi_modal_data: got a 'video'; {architecture} takes images only "
+                    f"(its processor's supported_modalities: {list(supported)})")
+        with pytest.raises(ValueError) as info:
+            llm.generate(["Hello", {"prompt": "Hello", "multi_modal_data": {"video": [image, image]}}], params,
+                         use_tqdm=False)
+        assert str(info.value) == expected
+        assert not llm.llm_engine.has_unfinished_requests()

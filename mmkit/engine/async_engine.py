@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator, Callable
 
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
+from mmkit.engine.request_driver import RequestDriver
 from mmkit.errors import EngineDeadError
-from mmkit.inputs import parse_prompt
+from mmkit.multimodal.parse import parse_prompt
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
 
@@ -43,9 +44,9 @@ class _StepWorker:
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting loop
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _deliver_to(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                _deliver_to(loop, _set_result, future, result)
 
     def run(self, fn: Callable[[], Any]) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -55,6 +56,16 @@ class _StepWorker:
 
     def stop(self) -> None:
         self._jobs.put(None)
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, setter: Callable, future: asyncio.Future, value: Any) -> None:
+    # NOTE: the loop that submitted the job may have closed meanwhile (an `asyncio.run` that
+    # ended while its last job ran): nobody awaits the result, and the thread must live on for
+    # the next loop that uses the engine.
+    try:
+        loop.call_soon_threadsafe(setter, future, value)
+    except RuntimeError:
+        pass
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:
@@ -72,6 +83,8 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # The one request driver (mmkit/engine/request_driver.py), used on the worker thread only.
+        self._driver = RequestDriver(engine)
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[tuple[str, Any, SamplingParams]] = []
         self._pending_aborts: set[str] = set()
@@ -150,8 +163,7 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         """Stop the background loop and its worker thread."""
         self._shutdown = True
-        if self.engine.prefetcher is not None:
-            self.engine.prefetcher.shutdown()
+        self.engine.input_stage.shutdown()
         if self._loop_task is not None and not self._loop_task.done():
             self._loop_task.cancel()
         if self._worker is not None:
@@ -202,10 +214,11 @@ class AsyncLLMEngine:
 
     def _engine_job(self, adds: list, aborts: set[str]):
         """On the worker thread: apply the pending requests, then one step if any is left."""
+        driver = self._driver
         for request_id, processed, params in adds:
-            self.engine.add_processed(request_id, processed, params)
-        self.engine.abort_request(aborts)
-        return self.engine.step_result() if self.engine.has_unfinished_requests() else None
+            driver.add(request_id, processed, params, final_only=False)  # streamed: every step's output
+        driver.abort(aborts)
+        return driver.step() if driver.pending or self.engine.has_unfinished_requests() else None
 
     async def _run_loop(self) -> None:
         try:
@@ -239,8 +252,8 @@ class AsyncLLMEngine:
                 del self._streams[out.request_id]
 
     def _fail_requests(self, errors: dict[str, BaseException]) -> None:
-        """Errors that belong to some requests (e.g. an image that fails to load): those
-        requests have ended in the engine; their callers get the error."""
+        """Errors that belong to some requests (e.g. an image that fails to load, or a request
+        the engine lost): those requests have ended in the engine; their callers get the error."""
         for rid, exc in errors.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:

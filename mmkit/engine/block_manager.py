@@ -16,6 +16,10 @@ first, most recently freed first. Its pages are already resident and warm, so re
 memory follows the blocks in use instead of walking through the pool's never-written blocks
 (on CPU the pool is committed page by page on first write; see kv_cache.py).
 
+Block tables are the block manager's own (vLLM v1's `req_to_blocks`): `seq_id -> [block id]`,
+written only here; the scheduler reads them (`get_block_ids`, `block_ids_from`) to describe a
+step, and `Sequence` holds no copy.
+
 Sliding windows (vLLM's sliding-window manager): when every layer of the model attends
 through a window of W tokens, a block whose positions all lie before the next query's window
 (position N - W + 1 once N tokens are computed) is never read again. `free_out_of_window`
@@ -53,6 +57,9 @@ class BlockManager:
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # SHA-256 block key -> block id
+        # The block tables: seq_id -> block id per `block_size` positions (NULL_BLOCK: freed out
+        # of the window). A sequence holding no block has no entry.
+        self.req_to_blocks: dict[int, list[int]] = {}
         self.num_cache_queries = 0  # tokens looked up
         self.num_cache_hits = 0  # tokens found
 
@@ -66,10 +73,22 @@ class BlockManager:
     def free_block_ids(self) -> list[int]:
         return list(self.free_unhashed) + list(self.free_blocks)
 
+    def get_block_ids(self, seq: Sequence) -> tuple[int, ...]:
+        """`seq`'s block table (empty while it holds no block)."""
+        return tuple(self.req_to_blocks.get(seq.seq_id, ()))
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Entries of `seq`'s block table (released out-of-window ones included)."""
+        return len(self.req_to_blocks.get(seq.seq_id, ()))
+
+    def block_ids_from(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        """`seq`'s block table from entry `index` on (the blocks a step added)."""
+        return tuple(self.req_to_blocks.get(seq.seq_id, ())[index:])
+
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take from the free list so `seq` can write `num_new_tokens` more tokens."""
         end = seq.num_computed_tokens + num_new_tokens
-        needed = blocks_needed(end, self.block_size) - len(seq.block_table)
+        needed = blocks_needed(end, self.block_size) - self.num_held_blocks(seq)
         if num_new_tokens > 0 and self._first_write_is_shared(seq):
             needed += 1  # copy-on-write of the shared partial block
         return max(needed, 0)
@@ -83,7 +102,7 @@ class BlockManager:
 
         At least one token is always left to compute (its logits are needed).
         """
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.seq_id in self.req_to_blocks:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
@@ -108,7 +127,8 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 del self.free_blocks[block_id]
             self.ref_counts[block_id] += 1
-        seq.block_table = list(hits)
+        if hits:
+            self.req_to_blocks[seq.seq_id] = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
 
     def register_full_blocks(self, seq: Sequence, num_computed: int) -> list[int]:
@@ -121,9 +141,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         num_full = min(num_computed // self.block_size, len(seq.block_hashes))
+        table = self.req_to_blocks.get(seq.seq_id, [])
         published = []
         for i in range(num_full):
-            block_id = seq.block_table[i]
+            block_id = table[i]
             block_hash = seq.block_hashes[i]
             if block_id == NULL_BLOCK:
                 continue  # freed out of the window (published before, if it could be)
@@ -150,30 +171,35 @@ class BlockManager:
         Returns the (src, dst) block copies the runner must do first (copy-on-write).
         """
         copies: list[tuple[int, int]] = []
+        table = self.req_to_blocks.setdefault(seq.seq_id, [])
         if num_new_tokens > 0 and self._first_write_is_shared(seq):
             idx = seq.num_computed_tokens // self.block_size
-            src = seq.block_table[idx]
+            src = table[idx]
             dst = self._take()
             self._release(src)
-            seq.block_table[idx] = dst
+            table[idx] = dst
             copies.append((src, dst))
         end = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < blocks_needed(end, self.block_size):
-            seq.block_table.append(self._take())
+        while len(table) < blocks_needed(end, self.block_size):
+            table.append(self._take())
+        if not table:
+            del self.req_to_blocks[seq.seq_id]  # nothing to hold (no new token)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
+        """`child` shares every block of `parent` (n > 1 samples of one prompt)."""
+        table = list(self.req_to_blocks.get(parent.seq_id, ()))
+        for block_id in table:
             if block_id != NULL_BLOCK:
                 self.ref_counts[block_id] += 1
+        if table:
+            self.req_to_blocks[child.seq_id] = table
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the head of a prefix (shared most often) is evicted last.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(self.req_to_blocks.pop(seq.seq_id, ())):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-        seq.block_table = []
 
     def free_out_of_window(self, seq: Sequence) -> int:
         """Release `seq`'s blocks that lie entirely before the window of its next query
@@ -185,10 +211,11 @@ class BlockManager:
         # NOTE: released blocks always form a prefix of the table (only this releases them, in
         # order), so walk back from the window's start and stop at the first released one: the
         # per-step cost is the blocks released now, not the sequence's length.
-        i = min(max(first_needed, 0) // self.block_size, len(seq.block_table)) - 1
-        while i >= 0 and seq.block_table[i] != NULL_BLOCK:
-            self._release(seq.block_table[i])
-            seq.block_table[i] = NULL_BLOCK
+        table = self.req_to_blocks.get(seq.seq_id, [])
+        i = min(max(first_needed, 0) // self.block_size, len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            self._release(table[i])
+            table[i] = NULL_BLOCK
             released += 1
             i -= 1
         return released
@@ -196,7 +223,8 @@ class BlockManager:
     # ------------------------------------------------------------------ internals
     def _first_write_is_shared(self, seq: Sequence) -> bool:
         idx = seq.num_computed_tokens // self.block_size
-        return idx < len(seq.block_table) and self.ref_counts[seq.block_table[idx]] > 1
+        table = self.req_to_blocks.get(seq.seq_id, ())
+        return idx < len(table) and self.ref_counts[table[idx]] > 1
 
     def _take(self) -> int:
         if self.free_unhashed:

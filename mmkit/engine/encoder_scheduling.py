@@ -61,10 +61,10 @@ class EncoderScheduler:
             cache.allocate(keys[i], seq.seq_id, num_bytes)
             self.budget -= length
             embeds = group.processed.image_embeds
+            given = embeds[i] if embeds is not None else None  # None: an item mmkit encodes
             inputs.append(EncoderInput(
                 group.request_id, keys[i],
-                group.processed.images[i] if embeds is None else None,
-                embeds[i] if embeds is not None else None, length))
+                group.processed.images[i] if given is None else None, given, length))
         return num_new
 
     def release_computed(self, seq: Sequence) -> None:

@@ -19,13 +19,15 @@ import torch
 from mmkit.config import EngineArgs, EngineConfig
 from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
-from mmkit.engine.mm_prefetcher import MultiModalPrefetcher
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
-from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
-from mmkit.inputs import ParsedPrompt, parse_prompt
 from mmkit.legacy import legacy_single_input
+from mmkit.multimodal import check_supported_modalities, supported_modalities
+from mmkit.multimodal.parse import ParsedPrompt, parse_prompt
+from mmkit.multimodal.prefetcher import MultiModalPrefetcher
+from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.outputs import RequestOutput
 from mmkit.processors import ProcessedPrompt, get_input_processor
 from mmkit.sampling_params import SamplingParams
@@ -48,20 +50,18 @@ class LLMEngine:
         self.input_processor = get_input_processor(config.model, config.tokenizer_path,
                                                    config.limit_mm_per_prompt, config.mm_processor_kwargs)
         self.tokenizer = self.input_processor.tokenizer
-        self.model_runner = ModelRunner(config, self.input_processor)
-        self.prefetcher: MultiModalPrefetcher | None = None
-        if config.preprocess_lookahead > 0:
-            self.prefetcher = MultiModalPrefetcher(self.input_processor, config.preprocess_lookahead)
-            self.model_runner.mm_item_inputs = self.prefetcher.mm_item_inputs
+        # The input stage: the items' processor work (on the prefetcher's workers), read by the
+        # scheduler (admission) and the runner (model inputs); both get it here, at construction.
+        self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
+        self.model_runner = ModelRunner(config, self.input_stage)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, config.model.sliding_window)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
         # One item-embedding row: hidden, times 1 + DeepStack layers for a `SupportsDeepStack` model.
         row_bytes = (config.model.hidden_size * self.model_runner.embed_width_factor
                      * torch.empty((), dtype=config.model.dtype).element_size())
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes)
-        if self.prefetcher is not None:
-            self.scheduler.preprocess = self.prefetcher
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes,
+                                   preprocess=self.input_stage if self.input_stage.prefetches else None)
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.max_model_len)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
@@ -71,6 +71,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args.create_engine_config())
+
+    @property
+    def prefetcher(self) -> MultiModalPrefetcher | None:
+        """The input stage's worker pool (None with `async_preprocess=False`)."""
+        return self.input_stage.prefetcher
 
     @property
     def groups(self) -> dict[str, SequenceGroup]:
@@ -89,7 +94,7 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
-        processed = self.input_processor.process(parsed)
+        processed = self.process_inputs(parsed)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
         if params.structured_outputs is not None:
             try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
@@ -97,6 +102,13 @@ class LLMEngine:
             except ValueError as exc:
                 raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): {exc}") from exc
         return processed, params
+
+    def process_inputs(self, parsed: ParsedPrompt) -> ProcessedPrompt:
+        """The family's processor on one parsed prompt, after the one generic refusal of a
+        modality it does not declare (`supported_modalities`)."""
+        check_supported_modalities(parsed, supported_modalities(self.input_processor),
+                                   self.config.model.architecture)
+        return self.input_processor.process(parsed)
 
     @property
     def structured_backend(self):
@@ -145,18 +157,11 @@ class LLMEngine:
         """Queue a request `process_request` accepted. `final_only`: build its
         `RequestOutput` once, when it finishes (no per-step outputs)."""
         params = params.clone(eos_token_ids=self.eos_token_ids)
-        group = SequenceGroup(request_id=request_id, processed=processed, params=params)
-        seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
-                         num_prompt_tokens=len(processed.prompt_token_ids),
-                         seed=self._seed(params, i)) for i in range(params.n)]
-        group.seqs = seqs[:1]
-        group.pending_forks = seqs[1:]
-        seqs[0].num_pending_forks = params.n - 1
+        group = SequenceGroup.create(request_id, processed, params, [self._seed(params, i) for i in range(params.n)])
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, final_only)
         self.scheduler.add_request(group)
-        if self.prefetcher is not None and processed.images and processed.image_embeds is None:
-            self.prefetcher.add_request(request_id, processed.images)
+        self.input_stage.add_request(request_id, processed.images, processed.image_embeds is not None)
 
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
@@ -215,10 +220,10 @@ class LLMEngine:
         for seq_id, (start, lp) in result.prompt_logprobs.items():
             op.add_prompt_logprobs(update.scheduled[seq_id].group.request_id, start, lp)
         now = time.time()
-        prefetcher = self.prefetcher
+        stage = self.input_stage
         for seq, row in update.samples:
-            if prefetcher is not None and prefetcher.holds(seq.group.request_id):
-                prefetcher.release(seq.group.request_id)  # its prompt is computed: images done
+            if stage.holds(seq.group.request_id):
+                stage.release(seq.group.request_id)  # its prompt is computed: items done
             status = op.process_sample(seq.group.request_id, seq.index, out, row, now)
             if status is not None:
                 self.scheduler.finish_seq(seq, status)
@@ -234,8 +239,7 @@ class LLMEngine:
         return outputs
 
     def _release_images(self, request_id: str) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.release(request_id)
+        self.input_stage.release(request_id)
 
     def _fail_requests(self, exc: RequestError) -> list[RequestOutput]:
         outputs = []

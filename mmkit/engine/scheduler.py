@@ -27,7 +27,7 @@ from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from mmkit.hashing import update_block_hashes
+from mmkit.engine.block_hashes import update_block_hashes
 from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
 
 
@@ -65,7 +65,8 @@ class StepUpdate:
 
 
 class PreprocessTracker(Protocol):
-    """What the scheduler asks the engine's image prefetcher (mm_prefetcher.py)."""
+    """What the scheduler asks the engine's input stage (mmkit/multimodal/stage.py) when it
+    prepares items ahead on worker threads."""
 
     def is_ready(self, request_id: str) -> bool:
         """Every image of the request is prepared (or never was the tracker's)."""
@@ -79,7 +80,8 @@ class PreprocessTracker(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0) -> None:
+                 encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0,
+                 preprocess: PreprocessTracker | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
@@ -94,9 +96,9 @@ class Scheduler:
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
         self._plan: StepPlan | None = None
-        # The engine's image prefetcher (see `PreprocessTracker`); None: images are processed
-        # when the runner reaches them.
-        self.preprocess: PreprocessTracker | None = None
+        # The engine's input stage when it prefetches (see `PreprocessTracker`); None: items are
+        # processed when the runner reaches them.
+        self.preprocess = preprocess
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, group: SequenceGroup) -> None:
@@ -109,10 +111,8 @@ class Scheduler:
         if group is not None:
             for seq in group.seqs:
                 self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-                seq.num_pending_forks = 0
-            for child in group.pending_forks:
+            for child in group.drop_pending_forks():
                 self._finished_seq_ids.add(child.seq_id)
-            group.pending_forks = []
         return group
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -192,7 +192,7 @@ class Scheduler:
         return NewSeqData(
             seq_id=seq.seq_id, request_id=group.request_id, sample_index=seq.index,
             token_ids=tuple(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
-            sampling_params=group.params, seed=seq.seed, block_ids=tuple(seq.block_table),
+            sampling_params=group.params, seed=seq.seed, block_ids=self.block_manager.get_block_ids(seq),
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
@@ -228,12 +228,12 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         bm = self.block_manager
         start = seq.num_computed_tokens
-        old_len = len(seq.block_table)
+        old_len = bm.num_held_blocks(seq)
         copies = bm.allocate(seq, num_new)
         plan.block_copies.extend(copies)
         # Copy-on-write replaces the block the first new token goes to.
         replaced = tuple((start // bm.block_size, dst) for _src, dst in copies)
-        plan.scheduled.append(ScheduledSeq(seq, num_new, start, tuple(seq.block_table[old_len:]), replaced))
+        plan.scheduled.append(ScheduledSeq(seq, num_new, start, bm.block_ids_from(seq, old_len), replaced))
         if bm.enable_prefix_caching:
             update_block_hashes(seq, bm.block_size)
             plan.published_blocks.extend(bm.register_full_blocks(seq, start + num_new))
@@ -350,16 +350,8 @@ class Scheduler:
                 self.waiting.appendleft(seq)
 
     def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
-        group = parent.group
-        children = group.pending_forks[:num_children]
-        group.pending_forks = group.pending_forks[num_children:]
-        parent.num_pending_forks = 0
+        children = parent.group.take_forks(parent, num_children)
         for child in children:
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_hashes = list(parent.block_hashes)
-            self.block_manager.fork(parent, child)
-            group.seqs.append(child)
-            child.status = SequenceStatus.RUNNING
+            self.block_manager.fork(parent, child)  # the prompt's blocks, shared
             self.running.append(child)
         return children

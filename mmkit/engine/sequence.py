@@ -1,7 +1,9 @@
 """Requests (`SequenceGroup`) and their sequences: the scheduler's state.
 
 The scheduler owns these objects (`Scheduler.requests`): token ids, computed-token counts,
-status, block tables and prefix-cache keys. The runner never sees them (it gets a
+status and prefix-cache keys (the block tables are the block manager's, keyed by `seq_id`).
+A request's n > 1 samples are made and forked here alone (`SequenceGroup.create`,
+`take_forks`, `drop_pending_forks`). The runner never sees them (it gets a
 `SchedulerOutput` and keeps its own per-sequence cache); the output processor keeps the
 text, logprobs and metrics of each request (`mmkit/engine/output_processor.py`).
 """
@@ -67,7 +69,6 @@ class Sequence(TokenCounts):
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
-    block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key (SHA-256) of each full block
     # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
     # produces all n first tokens; the other n - 1 sequences are forked from this one.
@@ -93,8 +94,7 @@ class Sequence(TokenCounts):
 
     def reset_for_recompute(self) -> None:
         """After preemption: the K/V is gone; every token is recomputed on resume."""
-        self.num_computed_tokens = 0
-        self.block_table = []
+        self.num_computed_tokens = 0  # (the block manager has freed its blocks)
         self.status = SequenceStatus.WAITING
 
     def __repr__(self) -> str:
@@ -116,6 +116,40 @@ class SequenceGroup:
     image_hashes: list[str] | None = None  # content hash per image, computed on first use
     encoder_keys: list[str] | None = None  # encoder-cache key per item (set by the scheduler)
 
+    @classmethod
+    def create(cls, request_id: str, processed: "ProcessedPrompt", params: SamplingParams,
+               seeds: list[int]) -> "SequenceGroup":
+        """A request with `len(seeds)` (= params.n) samples: the first is prefilled, the others
+        wait in `pending_forks` (with their seeds) until its first sampling pass."""
+        group = cls(request_id=request_id, processed=processed, params=params)
+        seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
+                         num_prompt_tokens=len(processed.prompt_token_ids), seed=seed)
+                for i, seed in enumerate(seeds)]
+        group.seqs, group.pending_forks = seqs[:1], seqs[1:]
+        seqs[0].num_pending_forks = len(seeds) - 1
+        return group
+
+    def take_forks(self, parent: Sequence, count: int) -> list[Sequence]:
+        """Fork `count` pending samples from `parent` once its prompt is computed: each gets its
+        tokens, computed count and prefix keys, and joins `seqs` (the caller shares the blocks
+        and appends each sample's first token)."""
+        children, self.pending_forks = self.pending_forks[:count], self.pending_forks[count:]
+        parent.num_pending_forks = 0
+        for child in children:
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
+            child.status = SequenceStatus.RUNNING
+            self.seqs.append(child)
+        return children
+
+    def drop_pending_forks(self) -> list[Sequence]:
+        """The request ends before its samples were forked (aborted): they never run."""
+        dropped, self.pending_forks = self.pending_forks, []
+        for seq in self.seqs:
+            seq.num_pending_forks = 0
+        return dropped
+
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.processed.prompt_token_ids
@@ -126,12 +160,14 @@ class SequenceGroup:
 
     def get_image_hashes(self) -> list[str]:
         if self.image_hashes is None:
-            from mmkit.hashing import embeds_content_hash
+            from mmkit.multimodal.hashing import embeds_content_hash
 
-            if self.processed.image_embeds is not None:
-                self.image_hashes = [embeds_content_hash(e) for e in self.processed.image_embeds]
-            else:
-                # Every item hashes itself, once (an image item; a video item adds its
-                # frames and processor options); a prefetch worker has usually done it already.
-                self.image_hashes = [item.content_hash() for item in self.processed.images]
+            items, embeds = self.processed.images, self.processed.image_embeds
+            if items:
+                # Every item hashes itself, once (an image item; a video item adds its frames
+                # and processor options; an item of given embeddings hashes them with its
+                # layout); a prefetch worker has usually done it already.
+                self.image_hashes = [item.content_hash() for item in items]
+            else:  # given embeddings alone (LLaVA's [N, tokens, hidden])
+                self.image_hashes = [embeds_content_hash(e) for e in embeds] if embeds is not None else []
         return self.image_hashes

@@ -133,6 +133,10 @@ _SIGNATURES = {
     "mmkit_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
     "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
     "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
+    # float32 twins (csrc/elementwise_f32_cpu.c, wrapped in fused_f32.py)
+    "mmkit_rms_norm_f32": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
+    "mmkit_rotary_f32": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
+    "mmkit_silu_mul_f32": ([_PTR, _PTR, _I64, _I64, _INT], None),
     "mmkit_argmax_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _INT], _I64),
     "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], _INT),
     "mmkit_has_avx512": ([], _INT),

@@ -2,10 +2,15 @@
 
 `QuantizedLinear` keeps a `QuantizedWeight` (integers + float32 scales/zeros) and computes
 x @ w'^T with w' = (q - z) * s:
-- CPU, float32/bf16 activations, at most `KERNEL_MAX_ROWS` rows (decode): the C kernel
-  (`csrc/quant_gemm_cpu.c`) reads the integers directly: 1/2 (int8) or 1/4 (int4) of bf16's bytes.
+- CPU, float32/bf16 activations, few rows (decode): the C GEMV kernel (`csrc/quant_gemm_cpu.c`)
+  reads the integers directly: 1/2 (int8) or 1/4 (int4) of bf16's bytes.
+- CPU, bf16, up to `TILED_MAX_ROWS` rows (batched decode, short prefills): the tiled kernel
+  (`csrc/quant_gemm_tiled_cpu.c`) decodes each weight once per call into bf16 and runs a
+  register-blocked VDPBF16PS GEMM on it.
 - otherwise (prefill's large batches, CUDA, no compiler): the weight is dequantized for the call
-  (float32 formula, then cast) and `F.linear` runs on it (dequantize-on-the-fly per layer).
+  (float32 formula, then cast; on CPU one C pass, `csrc/quant_dequant_cpu.c`) and `F.linear`
+  runs on it (dequantize-on-the-fly per layer: for a prefill of T rows the float GEMM's
+  2 N K T flops dwarf the N K dequantized values).
 `Fp8Linear` keeps float8_e4m3fn weights with per-row scales; with dynamic per-token activations
 the input is first rounded as compressed-tensors does: s_x = max|x_row| / 448,
 x' = e4m3(x / s_x) * s_x.
@@ -25,21 +30,45 @@ from torch import nn
 from mmkit.layers import cpu_kernels
 from mmkit.layers.quant_pack import QuantizedWeight, concat_rows
 
-KERNEL_MAX_ROWS = 16  # above this, a float GEMM on the dequantized weight is faster
+KERNEL_MAX_ROWS = 16  # float32: above this, a float GEMM on the dequantized weight is faster
+# bf16 rows: the GEMV kernel up to this many (by bits; it decodes weights in registers, but
+# once per 4 rows), then the tiled kernel (decodes once, 32 products per instruction) up to
+# TILED_MAX_ROWS, then the dequantized weight in oneDNN (measured crossovers, 1 thread,
+# SmolLM2-135M shapes: benchmarks/README.md, "Quantized weights").
+GEMV_MAX_ROWS_BF16 = {8: 4, 4: 8}
+TILED_MAX_ROWS = 512
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FP8_MAX = 448.0
 
 
-def _kernel():
+def _kernel(name: str = "mmkit_quant_gemm"):
+    """A kernel of csrc/quant_gemm_cpu.c / quant_dequant_cpu.c, or None (no compiler, disabled)."""
     lib = cpu_kernels.library()
     if lib is None:
         return None
-    fn = lib.mmkit_quant_gemm
+    fn = getattr(lib, name)
     if fn.argtypes is None:
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, p, i64, i64, i64, i, p, i, p, p, i64, i]
-        fn.restype = ctypes.c_int
+        if name in ("mmkit_quant_gemm", "mmkit_quant_gemm_tiled"):
+            fn.argtypes = [p, p, i64, i64, i64, i, p, i, p, p, i64, i] if name == "mmkit_quant_gemm" else \
+                [p, p, i64, i64, i64, p, i, p, p, i64, i]
+            fn.restype = ctypes.c_int
+        else:  # mmkit_quant_dequantize
+            fn.argtypes, fn.restype = [p, i, p, i, p, p, i64, i64, i64, i], None
     return fn
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """w' [N, K] in `dtype`: the C kernel on CPU for float32/bf16 (one pass, all threads,
+    bit-identical to `QuantizedWeight.dequantize`), else the torch formula."""
+    fn = _kernel("mmkit_quant_dequantize") if w.qweight.device.type == "cpu" and dtype in _KERNEL_DTYPES else None
+    if fn is None:
+        return w.dequantize(dtype)
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype)
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    fn(out.data_ptr(), _KERNEL_DTYPES[dtype], w.qweight.data_ptr(), w.bits, w.scales.data_ptr(), zeros,
+       w.out_features, w.in_features, w.group_size, torch.get_num_threads())
+    return out
 
 
 def quant_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
@@ -59,6 +88,24 @@ def quant_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
     return out
 
 
+def quant_gemm_tiled(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
+    """bf16 x [M, K] (CPU) @ w'^T -> bf16 [M, N] through the tiled kernel; None when it cannot run
+    (another dtype, no AVX512-BF16 in the build)."""
+    fn = _kernel("mmkit_quant_gemm_tiled")
+    if fn is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 \
+            or w.qweight.device.type != "cpu":
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, w.out_features), dtype=x.dtype)
+    zeros = w.zeros.data_ptr() if w.zeros is not None else None
+    status = fn(out.data_ptr(), x.data_ptr(), m, k, w.out_features, w.qweight.data_ptr(), w.bits,
+                w.scales.data_ptr(), zeros, w.group_size, torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("mmkit: the tiled quantized GEMM kernel could not allocate its tile buffers")
+    return out if status == 0 else None
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ ((q - z) * s)^T + b with integer q kept in memory (see the module docstring)."""
 
@@ -74,13 +121,15 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = None
-        if flat.shape[0] <= KERNEL_MAX_ROWS:
+        out, rows = None, flat.shape[0]
+        if flat.dtype == torch.bfloat16 and GEMV_MAX_ROWS_BF16[self.qweight.bits] < rows <= TILED_MAX_ROWS:
+            out = quant_gemm_tiled(flat, self.qweight)
+        elif rows <= KERNEL_MAX_ROWS:
             out = quant_gemm(flat, self.qweight)
-            if out is not None and self.bias is not None:
-                out += self.bias
+        if out is not None and self.bias is not None:
+            out += self.bias
         if out is None:
-            out = F.linear(flat, self.qweight.dequantize(flat.dtype).to(flat.device), self.bias)
+            out = F.linear(flat, dequantize(self.qweight, flat.dtype).to(flat.device), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

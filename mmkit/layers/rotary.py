@@ -10,23 +10,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmkit.layers import cpu_kernels
+from mmkit.layers import cpu_kernels, fused_f32
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, text_config, max_positions: int, mrope_section: list[int] | None = None,
-                 mrope_interleaved: bool = False) -> None:
-        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below)."""
+                 mrope_interleaved: bool = False, hf_rotary=None) -> None:
+        """`mrope_section` overrides the config's; `mrope_interleaved`: Qwen3-VL's layout (below).
+        `hf_rotary`: a family's own transformers rotary, called as `hf_rotary(x, position_ids) ->
+        (cos, sin)` (e.g. one layer type's of a decoder with per-layer-type bases); default
+        transformers' Llama rotary of `text_config`."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        hf_rope = LlamaRotaryEmbedding(text_config)
+        hf_rope = hf_rotary or LlamaRotaryEmbedding(text_config)
         positions = torch.arange(max_positions)[None]  # [1, max_positions]
         dummy = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
             cos, sin = hf_rope(dummy, positions)  # [1, max_positions, head_dim], float32
+        # NOTE: only cos and the signed sin below are kept (a [max_positions, head_dim] float32
+        # table each: 128 MiB apiece at 131072 positions x head_dim 256).
         self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
         # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half of sin negated:
         # one roll instead of neg + cat, bit-identical (negation commutes with rounding).
         half = cos.shape[-1] // 2
@@ -92,21 +96,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 class StepRope:
     """The rotary embedding of one step's positions, shared by every layer.
 
-    bf16 on CPU rotates in place with the C kernel, reading the float32 tables by position;
+    bf16 and float32 on CPU rotate in place with a C kernel, reading the float32 tables by position;
     otherwise cos/sin are gathered once (first use) and `apply_rotary` runs as torch ops.
     """
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rotary, self.positions, self.dtype = rotary, positions, dtype
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.use_kernel = dtype == torch.bfloat16 and positions.device.type == "cpu"
+        self.use_kernel = dtype in (torch.bfloat16, torch.float32) and positions.device.type == "cpu"
 
     def rotate(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         """Rotate heads [0, num_heads) of x ([num_tokens, heads, head_dim], e.g. the fused qkv
         output with q and k first); returns them as [num_tokens, num_heads, head_dim]. x itself
         may be rotated in place."""
         if self.use_kernel:
-            if cpu_kernels.rotary_bf16_(x, num_heads, self.positions, self.rotary.cos, self.rotary.signed_sin):
+            kernel = cpu_kernels.rotary_bf16_ if self.dtype == torch.bfloat16 else fused_f32.rotary_
+            if kernel(x, num_heads, self.positions, self.rotary.cos, self.rotary.signed_sin):
                 return x[:, :num_heads]
             self.use_kernel = False  # kernel unavailable or layout unsupported: torch from now on
         if self._cos_sin is None:

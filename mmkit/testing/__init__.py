@@ -37,6 +37,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Mistral3ForConditionalGeneration": ("mistral3", "build_tiny_mistral3", {}),
     "Idefics3ForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "idefics3"}),
     "SmolVLMForConditionalGeneration": ("idefics3", "build_tiny_idefics3", {"family": "smolvlm"}),
+    "Gemma3ForConditionalGeneration": ("gemma3", "build_tiny_gemma3", {}),
     "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": False}),
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
@@ -65,7 +66,8 @@ def __getattr__(name: str) -> Any:
             "build_tiny_qwen2_vl": "qwen2_vl", "rewrite_qwen_hub_layout": "qwen2_vl",
             "build_qwen_tokenizer": "qwen2_vl", "build_tiny_mistral3": "mistral3",
             "rewrite_mistral3_hub_layout": "mistral3", "build_tiny_idefics3": "idefics3",
-            "rewrite_idefics3_hub_layout": "idefics3"}
+            "rewrite_idefics3_hub_layout": "idefics3", "build_tiny_gemma3": "gemma3",
+            "rewrite_gemma3_hub_layout": "gemma3"}
     if name in lazy:
         return getattr(importlib.import_module(f"mmkit.testing.{lazy[name]}"), name)
     raise AttributeError(f"module 'mmkit.testing' has no attribute {name!r}")

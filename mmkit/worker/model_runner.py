@@ -17,6 +17,7 @@ from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.scheduler_output import SchedulerOutput
+from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
 from mmkit.worker.encoder_cache import EncoderCache
@@ -37,13 +38,13 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, input_processor) -> None:
+    def __init__(self, config: EngineConfig, input_stage: MultiModalInputStage) -> None:
         self.config = config
         mc = config.model
         self.device = mc.device
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
-        self.input_processor = input_processor
+        self.input_stage = input_stage  # where an item's model inputs come from
         self.model = load_model(mc)
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
@@ -57,8 +58,6 @@ class ModelRunner:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
         self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
-        # (request id, item) -> the item's model inputs; the engine installs its prefetcher's.
-        self.mm_item_inputs = lambda request_id, item: self.input_processor.mm_item_inputs(item)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -220,7 +219,7 @@ class ModelRunner:
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
             try:
-                inputs = self.mm_item_inputs(e.request_id, e.item)
+                inputs = self.input_stage.mm_item_inputs(e.request_id, e.item)
             except Exception as exc:  # noqa: BLE001 - attributed to the one request
                 raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
             to_encode.append(e)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmkit.image_io import load_image, load_image_bytes
+from mmkit.multimodal.image_io import load_image, load_image_bytes
 
 #: Seconds a whole image download may take (env `MMKIT_IMAGE_FETCH_TIMEOUT`).
 DEFAULT_FETCH_TIMEOUT_S = float(os.environ.get("MMKIT_IMAGE_FETCH_TIMEOUT", "10"))

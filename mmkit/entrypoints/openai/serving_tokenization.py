@@ -9,7 +9,7 @@ from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
-from mmkit.inputs import parse_prompt
+from mmkit.multimodal.parse import parse_prompt
 
 
 class OpenAIServingTokenization(OpenAIServingChat):
@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         else:
             inputs = {"prompt": request.prompt}
         try:
-            processed = self.engine.engine.input_processor.process(parse_prompt(0, inputs))
+            processed = self.engine.engine.process_inputs(parse_prompt(0, inputs))
         except (ValueError, TypeError) as exc:
             raise bad_request(type(exc)(str(exc).replace("inputs[0]", "prompt"))) from exc
         ids = list(processed.prompt_token_ids)
