@@ -1,7 +1,8 @@
 """What the Ray Serve path costs over plain `mmkit serve` on one machine.
 
 Starts each server as a user does (`mmkit serve ...`, then `... --ray-serve`), on the embedded
-model, and times, in the same run: one chat request at a time (median latency of 10) and
+model, and times, in the same run: `GET /v1/models` (the path's own cost: no engine work;
+median of 20), one chat request at a time (median latency of 10) and
 `--requests` concurrent chats (half with an image; wall time, `--runs` times per start), each
 configuration started `--rounds` times in alternating order. Prints the medians and their
 ratio to plain `mmkit serve`.
@@ -64,21 +65,27 @@ async def chat(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int
                                          temperature=0, extra_body={"ignore_eos": True})
 
 
-async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[list[float], list[float]]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    convs = conversations(requests)
-    await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
-    single = []
-    for i in range(10):
-        t = time.perf_counter()
-        await chat(client, convs[i % 2], max_tokens)
-        single.append(time.perf_counter() - t)
-    walls = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
-        walls.append(time.perf_counter() - t)
-    return single, walls
+async def measure(url: str, requests: int, runs: int, max_tokens: int
+                  ) -> tuple[list[float], list[float], list[float]]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        convs = conversations(requests)
+        await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
+        hops = []  # GET /v1/models: the path's own cost, no engine work
+        for _ in range(20):
+            t = time.perf_counter()
+            await client.models.list()
+            hops.append(time.perf_counter() - t)
+        single = []
+        for i in range(10):
+            t = time.perf_counter()
+            await chat(client, convs[i % 2], max_tokens)
+            single.append(time.perf_counter() - t)
+        walls = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
+            walls.append(time.perf_counter() - t)
+    return hops, single, walls
 
 
 def main() -> None:
@@ -93,27 +100,30 @@ def main() -> None:
                "--ray-serve, 2 replicas x 1 thread": ["--ray-serve", "--num-replicas", "2"]}
     # Rounds in order, then reversed (ABC CBA ...): a machine whose load drifts during the run
     # weighs on every configuration alike. Each number: the median over all its runs.
+    hops: dict[str, list[float]] = {name: [] for name in configs}
     singles: dict[str, list[float]] = {name: [] for name in configs}
     walls: dict[str, list[float]] = {name: [] for name in configs}
     for round_ in range(args.rounds):
         for name in (list(configs) if round_ % 2 == 0 else list(configs)[::-1]):
             proc, url = start(configs[name])
             try:
-                single, wall = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
+                hop, single, wall = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(120)
+            hops[name] += hop
             singles[name] += single
             walls[name] += wall
-            print(f"round {round_ + 1}, {name}: one request {statistics.median(single) * 1000:.0f} ms; "
-                  f"{args.requests} concurrent chats {statistics.median(wall):.2f} s", flush=True)
-    results = {name: (statistics.median(singles[name]), statistics.median(walls[name])) for name in configs}
-    base_single, base_wall = results["mmkit serve --threads 2"]
-    print("\n| server | one request (ms) | x plain | "
-          f"{args.requests} concurrent chats (s) | x plain |\n| --- | --- | --- | --- | --- |")
-    for name, (single, wall) in results.items():
-        print(f"| {name} | {single * 1000:.0f} | {single / base_single:.2f} | {wall:.2f} | {wall / base_wall:.2f} |")
-
+            print(f"round {round_ + 1}, {name}: GET /v1/models {statistics.median(hop) * 1000:.1f} ms; one chat "
+                  f"{statistics.median(single) * 1000:.0f} ms; {args.requests} concurrent chats "
+                  f"{statistics.median(wall):.2f} s", flush=True)
+    med = {name: (statistics.median(hops[name]), statistics.median(singles[name]), statistics.median(walls[name]))
+           for name in configs}
+    base = med["mmkit serve --threads 2"]
+    print(f"\n| server | GET /v1/models (ms) | one chat, {args.max_tokens} tokens (ms) | {args.requests} concurrent "
+          "chats (s) | x plain (chats) |\n| --- | --- | --- | --- | --- |")
+    for name, (hop, single, wall) in med.items():
+        print(f"| {name} | {hop * 1000:.1f} | {single * 1000:.0f} | {wall:.2f} | {wall / base[2]:.2f} |")
 
 if __name__ == "__main__":
     main()
