@@ -1,11 +1,13 @@
 """What the Ray Serve path costs over plain `mmkit serve` on one machine.
 
 Starts each server as a user does (`mmkit serve ...`, then `... --ray-serve`), on the embedded
-model, and times, in the same run: one chat request at a time (median latency of 10) and
-`--requests` concurrent chats (half with an image; wall time, median of `--runs`). Prints
-each configuration's numbers and their ratio to plain `mmkit serve`.
+model, and times, in the same run: `GET /v1/models` (the path's own cost: no engine work;
+median of 20), one chat request at a time (median latency of 10) and
+`--requests` concurrent chats (half with an image; wall time, `--runs` times per start), each
+configuration started `--rounds` times in alternating order. Prints the medians and their
+ratio to plain `mmkit serve`.
 
-    OMP_WAIT_POLICY=PASSIVE nice -n 5 python benchmarks/serve_ray.py --requests 40 --runs 3
+    OMP_WAIT_POLICY=PASSIVE nice -n 5 python benchmarks/serve_ray.py --requests 40 --runs 3 --rounds 2
 """
 
 from __future__ import annotations
@@ -63,21 +65,27 @@ async def chat(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int
                                          temperature=0, extra_body={"ignore_eos": True})
 
 
-async def measure(url: str, requests: int, runs: int, max_tokens: int) -> tuple[float, float]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    convs = conversations(requests)
-    await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
-    single = []
-    for i in range(10):
-        t = time.perf_counter()
-        await chat(client, convs[i % 2], max_tokens)
-        single.append(time.perf_counter() - t)
-    walls = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
-        walls.append(time.perf_counter() - t)
-    return statistics.median(single), statistics.median(walls)
+async def measure(url: str, requests: int, runs: int, max_tokens: int
+                  ) -> tuple[list[float], list[float], list[float]]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        convs = conversations(requests)
+        await asyncio.gather(*(chat(client, m, max_tokens) for m in convs[:4]))  # warm-up
+        hops = []  # GET /v1/models: the path's own cost, no engine work
+        for _ in range(20):
+            t = time.perf_counter()
+            await client.models.list()
+            hops.append(time.perf_counter() - t)
+        single = []
+        for i in range(10):
+            t = time.perf_counter()
+            await chat(client, convs[i % 2], max_tokens)
+            single.append(time.perf_counter() - t)
+        walls = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await asyncio.gather(*(chat(client, m, max_tokens) for m in convs))
+            walls.append(time.perf_counter() - t)
+    return hops, single, walls
 
 
 def main() -> None:
@@ -85,26 +93,37 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the configurations (even: ABC CBA)")
     args = p.parse_args()
     configs = {"mmkit serve --threads 2": ["--threads", "2"],
                "--ray-serve, 1 replica x 2 threads": ["--ray-serve", "--num-cpus-per-replica", "2"],
                "--ray-serve, 2 replicas x 1 thread": ["--ray-serve", "--num-replicas", "2"]}
-    results = {}
-    for name, flags in configs.items():
-        proc, url = start(flags)
-        try:
-            results[name] = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-        print(f"{name}: one request {results[name][0] * 1000:.0f} ms (median of 10); {args.requests} concurrent "
-              f"chats {results[name][1]:.2f} s (median of {args.runs})", flush=True)
-    base_single, base_wall = results["mmkit serve --threads 2"]
-    print("\n| server | one request (ms) | x plain | "
-          f"{args.requests} concurrent chats (s) | x plain |\n| --- | --- | --- | --- | --- |")
-    for name, (single, wall) in results.items():
-        print(f"| {name} | {single * 1000:.0f} | {single / base_single:.2f} | {wall:.2f} | {wall / base_wall:.2f} |")
-
+    # Rounds in order, then reversed (ABC CBA ...): a machine whose load drifts during the run
+    # weighs on every configuration alike. Each number: the median over all its runs.
+    hops: dict[str, list[float]] = {name: [] for name in configs}
+    singles: dict[str, list[float]] = {name: [] for name in configs}
+    walls: dict[str, list[float]] = {name: [] for name in configs}
+    for round_ in range(args.rounds):
+        for name in (list(configs) if round_ % 2 == 0 else list(configs)[::-1]):
+            proc, url = start(configs[name])
+            try:
+                hop, single, wall = asyncio.run(measure(url, args.requests, args.runs, args.max_tokens))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(120)
+            hops[name] += hop
+            singles[name] += single
+            walls[name] += wall
+            print(f"round {round_ + 1}, {name}: GET /v1/models {statistics.median(hop) * 1000:.1f} ms; one chat "
+                  f"{statistics.median(single) * 1000:.0f} ms; {args.requests} concurrent chats "
+                  f"{statistics.median(wall):.2f} s", flush=True)
+    med = {name: (statistics.median(hops[name]), statistics.median(singles[name]), statistics.median(walls[name]))
+           for name in configs}
+    base = med["mmkit serve --threads 2"]
+    print(f"\n| server | GET /v1/models (ms) | one chat, {args.max_tokens} tokens (ms) | {args.requests} concurrent "
+          "chats (s) | x plain (chats) |\n| --- | --- | --- | --- | --- |")
+    for name, (hop, single, wall) in med.items():
+        print(f"| {name} | {hop * 1000:.1f} | {single * 1000:.0f} | {wall:.2f} | {wall / base[2]:.2f} |")
 
 if __name__ == "__main__":
     main()

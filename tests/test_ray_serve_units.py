@@ -28,8 +28,10 @@ def test_routing_key_is_the_first_image_else_the_prompt_prefix():
     assert key.startswith("image:")
     assert routing_key(path, chat_body(image_message(red, "Another question"), stream=True)) == key
     assert routing_key(path, chat_body(image_message(blue, "What color?"))) != key
-    text = routing_key(path, chat_body([{"role": "user", "content": "hello there"}]))
-    assert text.startswith("text:") and text == routing_key(path, chat_body([{"role": "user", "content": "hello there"}]))
+    hello = chat_body([{"role": "user", "content": "hello there"}])
+    text = routing_key(path, hello)
+    assert text.startswith("text:") and text == routing_key(path, hello)
+    assert routing_key(path, chat_body([{"role": "user", "content": "goodbye"}])) != text
     assert routing_key("/v1/completions", b'{"prompt": ["a b", "c"]}') == routing_key("/v1/completions",
                                                                                      b'{"prompt": "a b"}')
     assert routing_key(path, b"{not json") is None
@@ -72,7 +74,16 @@ def test_router_keeps_a_key_on_one_replica_until_it_is_overloaded():
 
 
 @pytest.fixture(scope="module")
-def app():
+def loop():
+    # One loop for the module: the engine's background loop lives in the loop that first used it
+    # (as in a Serve replica, whose loop lives as long as the replica).
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def app(loop):
     from mmkit.engine.async_engine import AsyncLLMEngine
     from mmkit.config import EngineArgs
     from mmkit.entrypoints.openai.api_server import create_app, server_config
@@ -81,11 +92,12 @@ def app():
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=None, max_num_seqs=4))
     config = server_config(engine, model=None, served_model_name="m", media=MediaPolicy(), chat_template=None,
                            api_key="k", allowed_origins=None)
-    yield create_app(engine, config)
+    yield SimpleNamespace(app=create_app(engine, config), loop=loop)
+    loop.run_until_complete(asyncio.sleep(0))
     engine.shutdown()
 
 
-def call(app, path: str, body: dict | None = None, key: str | None = "k", stop_after: int | None = None):
+def call(served, path: str, body: dict | None = None, key: str | None = "k", stop_after: int | None = None):
     from mmkit.entrypoints.openai.in_process import HTTPRequest, call_app
 
     headers = [(b"content-type", b"application/json")] + ([(b"authorization", f"Bearer {key}".encode())]
@@ -95,7 +107,7 @@ def call(app, path: str, body: dict | None = None, key: str | None = "k", stop_a
 
     async def run():
         parts = []
-        stream = call_app(app, request)
+        stream = call_app(served.app, request)
         async for part in stream:
             parts.append(part)
             if stop_after is not None and len(parts) >= stop_after:
@@ -104,7 +116,7 @@ def call(app, path: str, body: dict | None = None, key: str | None = "k", stop_a
                 break
         return parts
 
-    parts = asyncio.run(run())
+    parts = served.loop.run_until_complete(run())
     return parts[0], b"".join(parts[1:])
 
 
@@ -131,8 +143,7 @@ def test_leaving_a_stream_early_aborts_its_request(app):
     body = {"model": "m", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 400,
             "ignore_eos": True, "stream": True}
     call(app, "/v1/chat/completions", body, stop_after=3)
-    engine = app.state.engine
-    assert not engine.engine.has_unfinished_requests()
+    assert not app.app.state.engine.engine.has_unfinished_requests()
 
 
 def test_build_app_checks_its_arguments_before_any_replica_starts(tmp_path):

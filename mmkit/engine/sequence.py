@@ -168,6 +168,6 @@ class SequenceGroup:
                 # and processor options; an item of given embeddings hashes them with its
                 # layout); a prefetch worker has usually done it already.
                 self.image_hashes = [item.content_hash() for item in items]
-            else:  # given embeddings alone (LLaVA's [N, tokens, hidden])
+            else:  # given embeddings alone, a [N, tokens, hidden] tensor
                 self.image_hashes = [embeds_content_hash(e) for e in embeds] if embeds is not None else []
         return self.image_hashes

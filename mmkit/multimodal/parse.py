@@ -27,8 +27,8 @@ class MultiModalData:
     (or CHW for one image): uint8 in 0-255, or float16/bfloat16/float32/float64 in 0-1
     (converted with `round(x * 255)`). `Type.IMAGE_EMBEDS`: a tensor
     `[N, image_seq_length, hidden_size]` that skips the vision tower and projector, or a dict
-    `{"image_embeds": tensor, ...}` with the fields the family needs (Qwen2-VL / Qwen3-VL:
-    `image_grid_thw`, see processors/qwen_embeds.py).
+    `{"image_embeds": tensor, ...}` with the other fields the model's processor reads (e.g.
+    `image_grid_thw`; the family's processor documents its layout).
     """
 
     class Type(enum.Enum):
@@ -73,7 +73,7 @@ class ParsedPrompt:
     prompt_token_ids: list[int] | None
     images: list[ImageItem] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None  # [N, image_seq_length, hidden]
-    # The other tensors of a dict-form embedding input (e.g. Qwen-VL's `image_grid_thw`),
+    # The other tensors of a dict-form embedding input (e.g. an `image_grid_thw`),
     # checked by the family's processor; a family that reads none refuses them.
     image_embeds_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     # The raw `multi_modal_data["video"]` value: parsed by processors of video models
@@ -332,7 +332,7 @@ def _parse_embeds_dict(where: str, data: dict) -> tuple[torch.Tensor, dict[str, 
     (which ones a family needs, and their shapes, its processor checks)."""
     if "image_embeds" not in data:
         raise ValueError(f"{where}: got an embeddings dict with keys {list(data)}; expected an 'image_embeds' "
-                         "tensor (plus e.g. 'image_grid_thw' for Qwen-VL models)")
+                         "tensor (plus the fields the model's processor reads, e.g. 'image_grid_thw')")
     fields = {}
     for key, value in data.items():
         if not isinstance(key, str):

@@ -96,8 +96,8 @@ def build_app(model: str | None = None, *, num_replicas: int = 1, autoscaling_co
     server = serve.deployment(LLMServer).options(
         name=ENGINE_DEPLOYMENT, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": cpus, "num_gpus": num_gpus_per_replica},
-        request_router_config=RequestRouterConfig(request_router_class=_ROUTER,
-                                                  request_router_kwargs={"imbalanced_threshold": imbalanced_threshold}),
+        request_router_config=RequestRouterConfig(
+            request_router_class=_ROUTER, request_router_kwargs={"imbalanced_threshold": imbalanced_threshold}),
         health_check_period_s=5, **scale,
     ).bind(model, dict(engine_args), server_options, max(1, int(cpus)), enable_ui)
     # The ingress only forwards bytes: no CPU reserved, so N replicas fit on N cores.

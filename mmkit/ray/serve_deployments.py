@@ -90,9 +90,10 @@ class OpenAIIngress:
         root = request.scope.get("root_path") or ""
         if root and path.startswith(root):
             path = path[len(root):] or "/"
+        client = request.scope.get("client")
         forwarded = HTTPRequest(method=request.method, path=path, query_string=request.scope.get("query_string", b""),
                                 headers=tuple((bytes(k), bytes(v)) for k, v in request.scope["headers"]),
-                                body=body, client=tuple(request.scope["client"]) if request.scope.get("client") else None)
+                                body=body, client=tuple(client) if client else None)
         key = routing_key(path, body)
         stream = None
         for attempt in range(_ATTEMPTS):

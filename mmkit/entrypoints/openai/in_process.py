@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.types import ASGIApp, Message
+
+logger = logging.getLogger("mmkit.serve")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ async def call_app(app: ASGIApp, request: HTTPRequest) -> AsyncIterator[Response
             await sent.put(None)  # the app returned (or failed): no more messages
 
     task = asyncio.ensure_future(run())
+    complete = False
     try:
         while True:
             message = await sent.get()
@@ -84,8 +88,16 @@ async def call_app(app: ASGIApp, request: HTTPRequest) -> AsyncIterator[Response
                 if message.get("body"):
                     yield bytes(message["body"])
                 if not message.get("more_body", False):
+                    complete = True
                     break
-        await task  # re-raises what the app raised
+        try:
+            await task
+        except Exception:
+            # NOTE: Starlette re-raises an error after it has sent its 500 answer; the answer
+            # is what the client gets (uvicorn, too, only logs it then).
+            if not complete:
+                raise
+            logger.exception("the app raised after its response was sent")
     finally:
         disconnected.set()
         if not task.done():
