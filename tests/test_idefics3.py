@@ -76,7 +76,7 @@ def test_mixed_batch_chunked_preempted_equal_transformers(ckpt):
     assert [o.outputs[0].token_ids for o in outs] == refs
     expanded = {"prompt_token_ids": outs[1].prompt_token_ids, "multi_modal_data": {"image": IMG1}}
     assert llm.generate(expanded, greedy(), use_tqdm=False)[0].outputs[0].token_ids == refs[1]
-    for kwargs in (dict(max_num_batched_tokens=9), dict(num_kv_blocks=40, block_size=8)):
+    for kwargs in (dict(max_num_batched_tokens=9), dict(num_kv_blocks=30, block_size=8)):
         small = LLM(str(path), dtype="float32", **kwargs)
         assert [o.outputs[0].token_ids for o in small.generate(inputs, greedy(), use_tqdm=False)] == refs, kwargs
         if "num_kv_blocks" in kwargs:
