@@ -107,7 +107,19 @@ def test_mixed_batch_leaves_unconstrained_identical(llm):
         if i % 3:
             assert mixed[i].outputs[0].token_ids == ref[i].outputs[0].token_ids
             if i % 2:
-                assert mixed[i].outputs[0].logprobs == ref[i].outputs[0].logprobs
+                _assert_same_logprobs(mixed[i].outputs[0].logprobs, ref[i].outputs[0].logprobs)
+
+
+def _assert_same_logprobs(got, want, tol=1e-5):
+    """Same tokens, ranks and text at every position; values within `tol`. NOTE: the two
+    batches differ in composition (the constrained rows run longer), so the GEMMs see other row
+    counts and float32 sums may differ in the last ulps (seen: 1e-6), not in any token."""
+    assert len(got) == len(want)
+    for pos, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys(), pos
+        for tok in g:
+            assert (g[tok].rank, g[tok].decoded_token) == (w[tok].rank, w[tok].decoded_token), (pos, tok)
+            assert abs(g[tok].logprob - w[tok].logprob) <= tol, (pos, tok, g[tok].logprob, w[tok].logprob)
 
 
 def test_satisfied_constraint_changes_nothing(llm):
