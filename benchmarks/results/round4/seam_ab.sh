@@ -8,6 +8,8 @@
 set -e
 HERE=$(cd "$(dirname "$0")" && pwd)
 AFTER=$(cd "$HERE/../../.." && pwd)
+# Where the logs, JSON and times go (OUT=benchmarks/results/round4/idle for the idle rerun).
+OUT=$(mkdir -p "${OUT:-$HERE}" && cd "${OUT:-$HERE}" && pwd)  # absolute: each run cds into its tree
 BEFORE_REF=${BEFORE_REF:-a8cef41}
 BEFORE=${BEFORE:-/tmp/seam_ab_before}
 PY=${PY:-python}
@@ -22,12 +24,12 @@ if [ ! -d "$BEFORE" ]; then
   mkdir -p "$AFTER/benchmarks/.cache"
   ln -s "$AFTER/benchmarks/.cache" "$BEFORE/benchmarks/.cache"  # the same benchmark checkpoints
 fi
-stamp() { echo "$(date -u +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg) $1" >> "$HERE/seam_ab_times.txt"; }
+stamp() { echo "$(date -u +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg) $1" >> "$OUT/seam_ab_times.txt"; }
 run() {  # side workload requests rep
   if [ "$1" = before ]; then DIR=$BEFORE; else DIR=$AFTER; fi
   (cd "$DIR" && PYTHONPATH="$DIR" nice -n 5 $PY benchmarks/throughput.py --workload "$2" --dtype bfloat16 \
-     --num-requests "$3" --repeats 1 --skip-hf --threads 2 --json "$HERE/seam_ab_$2_$1_$4.json") \
-     > "$HERE/seam_ab_$2_$1_$4.log" 2>&1
+     --num-requests "$3" --repeats 1 --skip-hf --threads 2 --json "$OUT/seam_ab_$2_$1_$4.json") \
+     > "$OUT/seam_ab_$2_$1_$4.log" 2>&1
   stamp "$1 $2 $4"
 }
 stamp start
@@ -35,7 +37,7 @@ for rep in 0 1 2; do
   run before decode-heavy 32 $rep; run after decode-heavy 32 $rep
   run before mixed 16 $rep; run after mixed 16 $rep
 done
-$PY - "$HERE" <<'PYEOF'
+$PY - "$OUT" <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 here = Path(sys.argv[1])
