@@ -46,6 +46,7 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _panels: bool = False  # `_packed` holds linear_panels' layout (else oneDNN's)
+    _run_panels = None  # linear_panels.bind(...) once packed: the per-call fast path
 
     @torch.no_grad()
     def pack(self, release_weight: bool = False) -> None:
@@ -54,8 +55,10 @@ class Linear(nn.Linear):
         another module (a tied LM head)."""
         use_panels = os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight)
         self._panels = use_panels
+        self._run_panels = None
         if use_panels:
             self._packed = linear_panels.pack(self.weight.detach())
+            self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
                 if can_pack_for_onednn(self.weight) else None
@@ -68,6 +71,10 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = self._run_panels
+        if run is not None and x.dtype is self._packed.dtype and x.dim() == 2 and x.is_cpu \
+                and x.shape[1] == self.in_features and x.stride(1) == 1:
+            return run(x)
         packed = self._packed
         if packed is not None:
             if x.dim() == 2 and x.dtype == (packed.dtype if self._panels else torch.bfloat16):
@@ -78,7 +85,7 @@ class Linear(nn.Linear):
                 flat = x.reshape(-1, self.in_features).to(packed.dtype if self._panels else torch.bfloat16)
                 out = self._packed_matmul(flat.contiguous())
                 return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
+        elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.is_cpu:
             # A few float32 rows (decode at small batch) without the panels: bound by reading
             # the weight, which the C GEMV streams at ~2x MKL's rate here.
             out = cpu_kernels.dense_gemv(x, self.weight, self.bias)
@@ -173,7 +180,7 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if self.is_silu and gate_up.device.type == "cpu" and gate_up.dtype in (torch.bfloat16, torch.float32):
+        if self.is_silu and gate_up.is_cpu and (gate_up.dtype is torch.bfloat16 or gate_up.dtype is torch.float32):
             # one pass instead of split, silu, then mul
             fused = (cpu_kernels.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else fused_f32.silu_mul)(gate_up)
             if fused is not None:

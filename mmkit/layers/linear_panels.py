@@ -60,6 +60,27 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.permute(*order).reshape(p * PANEL, k)[:out_features].contiguous()
 
 
+def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+    """`run(x) -> x @ w.T + bias` for x [M, K] of the panels' dtype on CPU with dense columns
+    (the caller checks; rows may be strided), with the kernel, pointers and sizes looked up once:
+    a decode step makes ~120 such calls, and the per-call Python around the kernel was as much
+    as a small projection's GEMV (measured ~12 us per `gemm` call, ~4 us here). The panels and
+    the bias must stay alive and in place while `run` is used (the owning module keeps them)."""
+    kernel = getattr(cpu_kernels.library(), _KERNELS[panels.dtype])
+    k, dtype, panels_ptr = in_features(panels), panels.dtype, panels.data_ptr()
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = empty((m, out_features), dtype=dtype)
+        if m:
+            kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, threads())
+        return out
+
+    return run
+
+
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] (the panels' dtype; rows may be strided) @ w.T + bias -> [M, N]; None when the
     kernel cannot run on these tensors."""
