@@ -23,7 +23,7 @@ from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
-from mmkit.legacy import legacy_single_input
+from mmkit.multimodal.legacy import legacy_single_input
 from mmkit.multimodal import check_supported_modalities, supported_modalities
 from mmkit.multimodal.parse import ParsedPrompt, parse_prompt
 from mmkit.multimodal.prefetcher import MultiModalPrefetcher

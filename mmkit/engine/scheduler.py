@@ -11,7 +11,7 @@ Encoder work is scheduled here too (vLLM v1), by `EncoderScheduler`
 (mmkit/engine/encoder_scheduling.py): a chunk stops before an item that neither the encoder
 budget nor the encoder cache has room for.
 
-`schedule()` returns a frozen `SchedulerOutput` (mmkit/scheduler_output.py); after the
+`schedule()` returns a frozen `SchedulerOutput` (mmkit/engine/scheduler_output.py); after the
 runner computed it, `update_from_output` advances the counters, appends sampled tokens and
 forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPlan`) itself.
 """
@@ -28,7 +28,7 @@ from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.engine.block_hashes import update_block_hashes
-from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
+from mmkit.engine.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
 
 
 @dataclass
