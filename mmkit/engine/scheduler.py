@@ -77,6 +77,10 @@ class PreprocessTracker(Protocol):
     def wait(self, request_id: str) -> None:
         """Block until the request's started images are prepared (content hashes included)."""
 
+    def requeue(self, request_id: str) -> None:
+        """A preempted request: prepare its images again if they were freed (it is re-admitted
+        only once they are ready, as a new waiting request is)."""
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -221,6 +225,8 @@ class Scheduler:
         self.encoder.release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        if self.preprocess is not None:  # its items' inputs go back to the workers
+            self.preprocess.requeue(seq.group.request_id)
         self._known_to_runner.discard(seq.seq_id)  # resent whole when it resumes
         self.num_preemptions += 1
         plan.num_preempted += 1

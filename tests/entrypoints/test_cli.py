@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from conftest import make_image
+from conftest import get_llm, make_image
+
+
+# The interrupted evals: 20 items are done when the run is killed, the rerun does the rest (the
+# more items, the longer the rerun; 80 leave 60 for it, still far more than one step's work).
+NUM_BIG = 80
 
 
 def mmkit(*args, timeout=300, **kwargs):
@@ -54,9 +59,9 @@ def test_caption_and_ask(tiny_ckpt, tmp_path):
     assert len(lines) == 2 and lines[0].startswith(str(paths[0]) + "\t")
     out = mmkit("ask", str(paths[0]), "What is it?", "--model", str(tiny_ckpt), "--max-tokens", "5")
     assert out.returncode == 0, out.stderr
-    from mmkit import LLM, SamplingParams
+    from mmkit import SamplingParams
 
-    llm = LLM(str(tiny_ckpt), dtype="float32")
+    llm = get_llm(tiny_ckpt)  # the session's float32 engine of this checkpoint
     ref = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(paths[0])}},
                                                   {"type": "text", "text": "What is it?"}]}],
                    SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0].text.strip()
@@ -111,7 +116,7 @@ def test_eval_csv(tiny_ckpt, dataset, tmp_path):
 def test_eval_resumes_after_sigkill(tiny_ckpt, dataset, tmp_path):
     big = tmp_path / "big.jsonl"
     rows = [json.loads(line) for line in dataset.read_text().splitlines()][:60]
-    big_rows = [dict(rows[i % 60], question=f"Q{i}") for i in range(240)]
+    big_rows = [dict(rows[i % 60], question=f"Q{i}") for i in range(NUM_BIG)]
     for r in big_rows:
         r["image"] = str(dataset.parent / r["image"])
     big.write_text("".join(json.dumps(r) + "\n" for r in big_rows))
@@ -128,19 +133,19 @@ def test_eval_resumes_after_sigkill(tiny_ckpt, dataset, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = results.read_text().splitlines()
-    assert 0 < len(partial) < 240, "kill the run part way"
+    assert 0 < len(partial) < NUM_BIG, "kill the run part way"
     out = mmkit("eval", str(big), "--output", str(results), "--model", str(tiny_ckpt), "--max-tokens", "24",
                 "--no-progress")
     assert out.returncode == 0, out.stderr
     indices = [r["index"] for r in read_results(results)]
-    assert sorted(indices) == list(range(240))  # every item exactly once
+    assert sorted(indices) == list(range(NUM_BIG))  # every item exactly once
 
 
 def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_ckpt, dataset, tmp_path):
     big = tmp_path / "big.jsonl"
     rows = [json.loads(line) for line in dataset.read_text().splitlines()][:60]
     big.write_text("".join(json.dumps(dict(rows[i % 60], question=f"Q{i}", image=str(dataset.parent / rows[i % 60]["image"])))
-                           + "\n" for i in range(240)))
+                           + "\n" for i in range(NUM_BIG)))
     results = tmp_path / "int_res.jsonl"
     cmd = [sys.executable, "-m", "mmkit", "eval", str(big), "--output", str(results), "--model", str(tiny_ckpt),
            "--max-tokens", "24", "--no-progress", "--max-in-flight", "4"]
@@ -156,12 +161,12 @@ def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_c
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "Traceback" not in stdout
     done = len(read_results(results))
-    assert 0 < done < 240, "interrupt the run part way"
-    assert stderr.strip().splitlines()[-1] == (f"mmkit eval: interrupted: {done} of 240 done (in {results}); "
+    assert 0 < done < NUM_BIG, "interrupt the run part way"
+    assert stderr.strip().splitlines()[-1] == (f"mmkit eval: interrupted: {done} of {NUM_BIG} done (in {results}); "
                                               "run the same command again to resume")
     out = mmkit(*cmd[3:])
     assert out.returncode == 0, out.stderr
-    assert sorted(r["index"] for r in read_results(results)) == list(range(240))  # every item exactly once
+    assert sorted(r["index"] for r in read_results(results)) == list(range(NUM_BIG))  # every item exactly once
 
 
 def test_caption_sigint_prints_one_line_and_exits_130(tiny_ckpt, tmp_path):

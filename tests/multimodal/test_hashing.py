@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from mmkit.engine.block_hashes import block_hash
 from mmkit.multimodal.hashing import image_content_hash

@@ -8,7 +8,7 @@ import threading
 
 from PIL import Image
 
-from conftest import get_llm, make_image
+from conftest import get_llm, hf_greedy, make_image
 from mmkit import LLM, SamplingParams
 from mmkit.multimodal import ImageItem, MultiModalItem
 from mmkit.multimodal.stage import MultiModalInputStage
@@ -69,3 +69,78 @@ def test_with_prefetching_the_processor_runs_on_the_workers_only(tiny_ckpt):
     assert len(outs) == 6 and len(threads) == 6
     assert all(name.startswith("mmkit-preprocess") for name in threads), threads
     assert llm.llm_engine.prefetcher.num_inline == 0
+
+
+class _ProcessorCalls:
+    """Records every per-item processor call: its thread, and whether `LLMEngine.step()` was on
+    the stack of the engine thread when it ran (the HF processor must never run at step time)."""
+
+    def __init__(self, llm: LLM, monkeypatch) -> None:
+        engine, processor = llm.llm_engine, llm.llm_engine.input_processor
+        self.calls: list[tuple[str, bool]] = []
+        self._in_step = False
+        self._lock = threading.Lock()
+        original_step, original_inputs = engine.step, processor.mm_item_inputs
+
+        def step():
+            self._in_step = True
+            try:
+                return original_step()
+            finally:
+                self._in_step = False
+
+        def mm_item_inputs(item):
+            name = threading.current_thread().name
+            with self._lock:
+                self.calls.append((name, self._in_step and threading.current_thread() is threading.main_thread()))
+            return original_inputs(item)
+
+        monkeypatch.setattr(engine, "step", step)
+        monkeypatch.setattr(processor, "mm_item_inputs", mm_item_inputs)
+
+    @property
+    def in_step(self) -> list[tuple[str, bool]]:
+        return [call for call in self.calls if call[1]]
+
+
+def _preempting_batch() -> tuple[list[dict], list[SamplingParams]]:
+    """Six image requests that do not fit together in 12 blocks of 16 tokens (each fits alone)."""
+    batch = [{"prompt": PROMPT, "multi_modal_data": {"image": make_image(500 + i, 40 + i, 30)}} for i in range(6)]
+    return batch, [SamplingParams(temperature=0, max_tokens=30 + 5 * i, ignore_eos=True) for i in range(6)]
+
+
+def _check_greedy(outs, batch, params, tiny_ckpt) -> None:
+    """Token ids equal the roomy engine's, and transformers' for the first request."""
+    roomy = get_llm(tiny_ckpt).generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    image = batch[0]["multi_modal_data"]["image"]
+    assert list(outs[0].outputs[0].token_ids) == hf_greedy(str(tiny_ckpt), PROMPT, [image], max_new_tokens=30,
+                                                           ignore_eos=True)
+
+
+def test_without_prefetching_the_processor_runs_when_requests_are_added(tiny_ckpt, monkeypatch):
+    # encoder_cache_memory=0: a preempted request's items must be encoded again from inputs.
+    llm = LLM(str(tiny_ckpt), dtype="float32", async_preprocess=False, num_kv_blocks=12, block_size=16,
+              encoder_cache_memory=0)
+    calls = _ProcessorCalls(llm, monkeypatch)
+    batch, params = _preempting_batch()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    # Once per item, on the caller's thread when the request was added (kept through preemption).
+    assert len(calls.calls) == 6 and calls.in_step == [], calls.calls
+    assert not llm.llm_engine.input_stage._computed  # released when the requests ended
+    _check_greedy(outs, batch, params, tiny_ckpt)
+
+
+def test_a_preempted_request_gets_its_items_from_the_workers_again(tiny_ckpt, monkeypatch):
+    llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=2, num_kv_blocks=12, block_size=16,
+              encoder_cache_memory=0)
+    calls = _ProcessorCalls(llm, monkeypatch)
+    batch, params = _preempting_batch()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert len(calls.calls) > 6  # some items were prepared again for a recomputed request
+    assert all(name.startswith("mmkit-preprocess") for name, _ in calls.calls), calls.calls
+    assert calls.in_step == [] and llm.llm_engine.prefetcher.num_inline == 0
+    assert not llm.llm_engine.prefetcher._live and not llm.llm_engine.input_stage._items
+    _check_greedy(outs, batch, params, tiny_ckpt)
