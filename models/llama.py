@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import fuse_quantized
-from mmkit.layers import cpu_kernels, fused_f32
+from mmkit.layers import bf16_panels, cpu_kernels, fused_f32
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
 from mmkit.models.moe import SparseMoeBlock
@@ -27,37 +27,62 @@ def can_pack_for_onednn(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0")
 
 
-class Linear(nn.Linear):
-    """nn.Linear that, for bfloat16 on CPU, runs on a weight pre-packed once for oneDNN.
+# float32 rows up to which `Linear` runs the C GEMV instead of a matmul (MMKIT_GEMV_MAX_ROWS=0: never).
+GEMV_MAX_ROWS = int(os.environ.get("MMKIT_GEMV_MAX_ROWS", "4"))
 
-    `F.linear` in bf16 reorders the weight into oneDNN's (AMX) blocked layout on every call:
-    for the small batches of decoding that costs more than the matmul (the 49152-row LM head
-    runs 3x faster packed). `pack()` is called once after loading and the dtype cast; the
-    result is the same oneDNN matmul (bit-identical in our checks). Float32 and CUDA use
-    `F.linear` unchanged. Set MMKIT_PACKED_LINEAR=0 to disable (A/B measurements).
+
+class Linear(nn.Linear):
+    """nn.Linear that, on CPU, runs bf16 on a weight packed once after loading, and a few
+    float32 rows through a C GEMV.
+
+    bf16: `F.linear` reorders the weight into a blocked layout on every call, which for the
+    small batches of decoding costs more than the matmul. `pack()` packs it once: into mmkit's
+    32-row panels (`mmkit/layers/bf16_panels.py`) on CPUs with AVX512-BF16, one copy that is
+    fast at every batch size (at batch 1 it streams the weight at close to memory bandwidth),
+    else into oneDNN's layout (the same matmul as `F.linear`, bit-identical in our checks).
+    float32: up to `GEMV_MAX_ROWS` rows run `cpu_kernels.dense_gemv` (MKL's GEMV reads the
+    weight at about half the bandwidth); more rows, and CUDA, use `F.linear` unchanged.
+    MMKIT_PACKED_LINEAR=0 / MMKIT_BF16_PANELS=0 / MMKIT_GEMV_MAX_ROWS=0 disable each (A/B).
     """
 
     _packed: torch.Tensor | None = None
+    _panels: bool = False  # `_packed` holds bf16_panels' layout (else oneDNN's)
 
     @torch.no_grad()
     def pack(self, release_weight: bool = False) -> None:
         """`release_weight`: drop the row-major weight once packed (the packed copy is the
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
-            if can_pack_for_onednn(self.weight) else None
+        self._panels = can_pack_for_onednn(self.weight) and bf16_panels.can_pack(self.weight)
+        if self._panels:
+            self._packed = bf16_panels.pack(self.weight.detach())
+        else:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
+                if can_pack_for_onednn(self.weight) else None
         if self._packed is not None and release_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self._panels:
+            return bf16_panels.gemm(x, self._packed, self.out_features, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         if packed is not None:
             if x.dtype == torch.bfloat16 and x.dim() == 2:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
+                out = self._packed_matmul(x)
+                if out is not None:
+                    return out
             if self.weight.numel() == 0:  # released: any other shape/dtype through the packed copy
-                flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-                out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [None], "")
+                flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+                out = self._packed_matmul(flat)
                 return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
+            # A few float32 rows (decode at small batch): bound by reading the weight.
+            out = cpu_kernels.dense_gemv(x, self.weight, self.bias)
+            if out is not None:
+                return out
         return super().forward(x)
 
 

@@ -140,6 +140,9 @@ _SIGNATURES = {
     "mmkit_argmax_rows": ([_PTR, _I64, _I64, _I64, _INT, _PTR, _INT], _I64),
     "mmkit_write_kv": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64], _INT),
     "mmkit_has_avx512": ([], _INT),
+    "mmkit_dense_gemv_f32": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], None),
+    "mmkit_bf16_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], _INT),
+    "mmkit_bf16_panel_gemm_available": ([], _INT),
     "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT], None),
 }
 _OUT_OF_BOUNDS = 2  # status of the bounds-checking build (MMKIT_KERNEL_CHECKS=1)
@@ -271,6 +274,29 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: li
                                   rows.data_ptr(), len(indices), logits.shape[1], _MASK_DTYPES[logits.dtype],
                                   torch.get_num_threads())
     return True
+
+
+# Below this many weight bytes one thread runs the GEMV: waking the sleeping OpenMP worker
+# (OMP_WAIT_POLICY=PASSIVE) costs more than reading a small matrix from cache.
+_GEMV_PARALLEL_BYTES = 1 << 18
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x @ weight.T + bias` for a few float32 rows: x [M, K] (rows may be strided), weight
+    [N, K] row-major, on CPU; returns [M, N] float32. None when the kernel cannot run. Meant
+    for decode at small batch, where the weight is read once from memory (csrc/dense_gemv_cpu.c)."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != x.dtype
+            or x.stride(1) != 1 or not weight.is_contiguous() or weight.dim() != 2 or weight.shape[1] != x.shape[1]
+            or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    threads = torch.get_num_threads() if weight.numel() * weight.element_size() >= _GEMV_PARALLEL_BYTES else 1
+    lib.mmkit_dense_gemv_f32(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, n, weight.data_ptr(),
+                             bias.data_ptr() if bias is not None else None, threads)
+    return out
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:

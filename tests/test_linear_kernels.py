@@ -1,0 +1,100 @@
+"""The C linear kernels against torch: the float32 GEMV (`cpu_kernels.dense_gemv`) and the bf16
+panel GEMM (`layers/bf16_panels.py`), on the shapes a model sends (few and many rows, widths
+that are not multiples of the kernels' blocks, strided rows, bias), and `Linear` choosing them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmkit.layers import bf16_panels, cpu_kernels
+from mmkit.models.llama import GEMV_MAX_ROWS, Linear
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
+needs_panels = pytest.mark.skipif(not bf16_panels.available(), reason="needs AVX512-BF16")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 33), (1, 7), (130, 600)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_gemv_f32_matches_torch(m, n, k, with_bias):
+    w = torch.randn(n, k, generator=_gen(1))
+    b = torch.randn(n, generator=_gen(2)) if with_bias else None
+    base = torch.randn(m, k + 5, generator=_gen(3))
+    x = base[:, 2:k + 2]  # rows k + 5 apart: the kernel takes strided rows
+    out = cpu_kernels.dense_gemv(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # float32 sums in another order than MKL's (the portable build: one running sum over K)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_dense_gemv_refuses_what_it_cannot_run():
+    w = torch.randn(8, 16)
+    assert cpu_kernels.dense_gemv(torch.randn(2, 16).t().contiguous().t(), w) is None  # columns strided
+    assert cpu_kernels.dense_gemv(torch.randn(2, 15), w) is None                      # K mismatch
+    assert cpu_kernels.dense_gemv(torch.randn(2, 16, dtype=torch.float64), w) is None  # dtype
+    assert cpu_kernels.dense_gemv(torch.randn(2, 16), w.t().contiguous().t()) is None  # weight not dense
+
+
+@needs_panels
+def test_panels_round_trip_and_zero_padding():
+    w = torch.randn(45, 10, generator=_gen(4)).bfloat16()
+    panels = bf16_panels.pack(w)
+    assert panels.shape == (2, 5, 32, 2)
+    assert torch.equal(bf16_panels.unpack(panels, 45), w)
+    assert torch.equal(panels[1, :, 13:], torch.zeros(5, 19, 2, dtype=torch.bfloat16))  # rows past N
+
+
+@needs_panels
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 130, 300])
+@pytest.mark.parametrize("n,k", [(96, 64), (45, 10), (33, 598)])
+def test_panel_gemm_matches_float_reference(m, n, k):
+    """Within bf16 rounding of the float64 result: the products are exact in float32 and only
+    the order of the float32 sums differs from oneDNN's."""
+    w = torch.randn(n, k, generator=_gen(5)).bfloat16()
+    b = torch.randn(n, generator=_gen(6)).bfloat16()
+    x = torch.randn(m, k + 4, generator=_gen(7)).bfloat16()[:, :k]
+    out = bf16_panels.gemm(x, bf16_panels.pack(w), n, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # one bf16 rounding of the result (2^-8 relative) plus float32 sums (far below it)
+    torch.testing.assert_close(out.double(), ref, atol=1e-3 * ref.abs().max().item(), rtol=2 ** -8)
+    # the rounding of an exact float32 sum, where the sum is exact: small integers
+    wi = torch.randint(-3, 4, (n, k), generator=_gen(8)).bfloat16()
+    xi = torch.randint(-3, 4, (m, k), generator=_gen(9)).bfloat16()
+    got = bf16_panels.gemm(xi, bf16_panels.pack(wi), n, None)
+    assert torch.equal(got, (xi.float() @ wi.float().t()).bfloat16())
+
+
+@needs_panels
+def test_linear_uses_panels_and_releases_the_row_major_copy():
+    lin = Linear(64, 45, bias=True).to(torch.bfloat16)
+    ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.pack(release_weight=True)
+    assert lin._panels and lin.weight.numel() == 0
+    assert lin._packed.numel() == 2 * 32 * 64  # two panels: 45 rows padded to 64
+    for shape in ((1, 64), (7, 64), (2, 3, 64)):
+        x = torch.randn(*shape, generator=_gen(10)).bfloat16()
+        torch.testing.assert_close(lin(x), F.linear(x, ref_w, ref_b), atol=3e-2, rtol=2e-2)
+    # a float32 input still runs (through the bf16 copy, as with oneDNN's packed weight)
+    assert lin(torch.randn(2, 64)).dtype == torch.float32
+
+
+@needs_kernels
+def test_float32_linear_runs_the_gemv_for_few_rows(monkeypatch):
+    lin = Linear(40, 24)
+    lin.pack()
+    assert lin._packed is None  # float32 keeps its row-major weight
+    calls = []
+    real = cpu_kernels.dense_gemv
+    monkeypatch.setattr(cpu_kernels, "dense_gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+        x = torch.randn(m, 40, generator=_gen(11))
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    assert calls == [1, GEMV_MAX_ROWS]  # more rows: F.linear
