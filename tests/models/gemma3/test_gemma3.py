@@ -313,7 +313,7 @@ def test_generic_code_names_no_gemma():
 
     root = Path(__file__).resolve().parents[3] / "mmkit"
     files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), *(root / "multimodal").rglob("*.py"),
-             root / "config.py", root / "llm.py"]
+             root / "config.py", root / "entrypoints" / "llm.py"]
     pattern = re.compile(r"gemma|siglip|start_of_image|soft_token|pan_and_scan", re.IGNORECASE)
     named = [f"{f.relative_to(root)}:{i + 1}" for f in files
              for i, line in enumerate(f.read_text().splitlines()) if pattern.search(line)]

@@ -171,7 +171,7 @@ def test_generic_code_names_no_span_family():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3] / "mmkit"
-    files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), root / "config.py", root / "llm.py"]
+    files = [*(root / "engine").rglob("*.py"), *(root / "worker").rglob("*.py"), root / "config.py", root / "entrypoints" / "llm.py"]
     pattern = re.compile(r"mistral3|pixtral|idefics|smolvlm|\[IMG_BREAK\]", re.IGNORECASE)
     named = [f"{f.relative_to(root)}:{i + 1}" for f in files
              for i, line in enumerate(f.read_text().splitlines()) if pattern.search(line)]
