@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import fuse_quantized
-from mmkit.layers import bf16_panels, cpu_kernels, fused_f32
+from mmkit.layers import cpu_kernels, fused_f32, linear_panels
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
 from mmkit.models.moe import SparseMoeBlock
@@ -28,34 +28,37 @@ def can_pack_for_onednn(weight: torch.Tensor) -> bool:
 
 
 # float32 rows up to which `Linear` runs the C GEMV instead of a matmul (MMKIT_GEMV_MAX_ROWS=0: never).
-GEMV_MAX_ROWS = int(os.environ.get("MMKIT_GEMV_MAX_ROWS", "4"))
+GEMV_MAX_ROWS = int(os.environ.get("MMKIT_GEMV_MAX_ROWS", "16"))
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on CPU, runs bf16 on a weight packed once after loading, and a few
-    float32 rows through a C GEMV.
+    """nn.Linear that, on CPU, runs on a weight packed once after loading.
 
-    bf16: `F.linear` reorders the weight into a blocked layout on every call, which for the
-    small batches of decoding costs more than the matmul. `pack()` packs it once: into mmkit's
-    32-row panels (`mmkit/layers/bf16_panels.py`) on CPUs with AVX512-BF16, one copy that is
-    fast at every batch size (at batch 1 it streams the weight at close to memory bandwidth),
-    else into oneDNN's layout (the same matmul as `F.linear`, bit-identical in our checks).
-    float32: up to `GEMV_MAX_ROWS` rows run `cpu_kernels.dense_gemv` (MKL's GEMV reads the
-    weight at about half the bandwidth); more rows, and CUDA, use `F.linear` unchanged.
-    MMKIT_PACKED_LINEAR=0 / MMKIT_BF16_PANELS=0 / MMKIT_GEMV_MAX_ROWS=0 disable each (A/B).
+    `F.linear` in bf16 reorders the weight into a blocked layout on every call, which for the
+    small batches of decoding costs more than the matmul, and MKL's float32 GEMM reads weights
+    at about half the memory bandwidth at small batch. `pack()` packs the weight once: into
+    mmkit's 32-row panels (`mmkit/layers/linear_panels.py`, bf16 and float32) on CPUs with
+    AVX512-BF16, one copy that is fast at every batch size; elsewhere bf16 goes to oneDNN's
+    layout (the same matmul as `F.linear`, bit-identical in our checks) and float32 up to
+    `GEMV_MAX_ROWS` rows to `cpu_kernels.dense_gemv`. CUDA uses `F.linear` unchanged.
+    MMKIT_PACKED_LINEAR=0 / MMKIT_LINEAR_PANELS=0 / MMKIT_GEMV_MAX_ROWS=0 disable each (A/B).
     """
 
     _packed: torch.Tensor | None = None
-    _panels: bool = False  # `_packed` holds bf16_panels' layout (else oneDNN's)
+    _panels: bool = False  # `_packed` holds linear_panels' layout (else oneDNN's)
+    _run_panels = None  # linear_panels.bind(...) once packed: the per-call fast path
 
     @torch.no_grad()
     def pack(self, release_weight: bool = False) -> None:
         """`release_weight`: drop the row-major weight once packed (the packed copy is the
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
-        self._panels = can_pack_for_onednn(self.weight) and bf16_panels.can_pack(self.weight)
-        if self._panels:
-            self._packed = bf16_panels.pack(self.weight.detach())
+        use_panels = os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight)
+        self._panels = use_panels
+        self._run_panels = None
+        if use_panels:
+            self._packed = linear_panels.pack(self.weight.detach())
+            self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
                 if can_pack_for_onednn(self.weight) else None
@@ -64,22 +67,27 @@ class Linear(nn.Linear):
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
         if self._panels:
-            return bf16_panels.gemm(x, self._packed, self.out_features, self.bias)
+            return linear_panels.gemm(x, self._packed, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = self._run_panels
+        if run is not None and x.dtype is self._packed.dtype and x.dim() == 2 and x.is_cpu \
+                and x.shape[1] == self.in_features and x.stride(1) == 1:
+            return run(x)
         packed = self._packed
         if packed is not None:
-            if x.dtype == torch.bfloat16 and x.dim() == 2:
+            if x.dim() == 2 and x.dtype == (packed.dtype if self._panels else torch.bfloat16):
                 out = self._packed_matmul(x)
                 if out is not None:
                     return out
             if self.weight.numel() == 0:  # released: any other shape/dtype through the packed copy
-                flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-                out = self._packed_matmul(flat)
+                flat = x.reshape(-1, self.in_features).to(packed.dtype if self._panels else torch.bfloat16)
+                out = self._packed_matmul(flat.contiguous())
                 return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu":
-            # A few float32 rows (decode at small batch): bound by reading the weight.
+        elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.is_cpu:
+            # A few float32 rows (decode at small batch) without the panels: bound by reading
+            # the weight, which the C GEMV streams at ~2x MKL's rate here.
             out = cpu_kernels.dense_gemv(x, self.weight, self.bias)
             if out is not None:
                 return out
@@ -172,7 +180,7 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if self.is_silu and gate_up.device.type == "cpu" and gate_up.dtype in (torch.bfloat16, torch.float32):
+        if self.is_silu and gate_up.is_cpu and (gate_up.dtype is torch.bfloat16 or gate_up.dtype is torch.float32):
             # one pass instead of split, silu, then mul
             fused = (cpu_kernels.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else fused_f32.silu_mul)(gate_up)
             if fused is not None:

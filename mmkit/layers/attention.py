@@ -178,7 +178,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     # caches: [kv_heads, num_blocks, block_size, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
-    if k.device.type == "cpu" and cpu_kernels.write_kv(k_cache, v_cache, k, v, slot_mapping):
+    if k.is_cpu and cpu_kernels.write_kv(k_cache, v_cache, k, v, slot_mapping):
         return
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
@@ -227,7 +227,7 @@ def _decode_view(meta: AttentionMetadata, sliding_window: int | None) -> DecodeV
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       view: DecodeView, scale: float) -> torch.Tensor:
-    if q.device.type == "cpu":
+    if q.is_cpu:
         out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
                                                  view.context_lens, scale, view.context_starts)
         if out is not None:

@@ -143,6 +143,7 @@ _SIGNATURES = {
     "mmkit_dense_gemv_f32": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], None),
     "mmkit_bf16_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], _INT),
     "mmkit_bf16_panel_gemm_available": ([], _INT),
+    "mmkit_f32_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], _INT),
     "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT], None),
 }
 _OUT_OF_BOUNDS = 2  # status of the bounds-checking build (MMKIT_KERNEL_CHECKS=1)
@@ -179,7 +180,7 @@ def library() -> ctypes.CDLL | None:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles these tensors (CPU, float32/bfloat16, dense rows)."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+    return (q.is_cpu and q.dtype in _DTYPES and k_cache.dtype == q.dtype
             and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k_cache.is_contiguous())
 
 
@@ -223,7 +224,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     ([kv_heads, num_blocks, block_size, head_dim]) at `slot_mapping`. Any dtype: a byte copy,
     bit-identical to index_copy_. False when the kernel cannot run (nothing written)."""
     lib = library()
-    if (lib is None or k.device.type != "cpu" or k.dim() != 3 or k.dtype != k_cache.dtype or v.dtype != k.dtype
+    if (lib is None or not k.is_cpu or k.dim() != 3 or k.dtype != k_cache.dtype or v.dtype != k.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.long
             or k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]):
         return False
@@ -247,7 +248,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """First index of each row's maximum ([rows, vocab] float32 or bf16, rows may be strided),
     as int64 [rows]; None when the kernel cannot run or a row holds a NaN (torch decides those)."""
     lib = library()
-    if lib is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in _DTYPES \
+    if lib is None or not logits.is_cpu or logits.dim() != 2 or logits.dtype not in _DTYPES \
             or logits.stride(1) != 1 or logits.shape[1] == 0:
         return None
     out = torch.empty(logits.shape[0], dtype=torch.long)
@@ -286,7 +287,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     [N, K] row-major, on CPU; returns [M, N] float32. None when the kernel cannot run. Meant
     for decode at small batch, where the weight is read once from memory (csrc/dense_gemv_cpu.c)."""
     lib = library()
-    if (lib is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != x.dtype
+    if (lib is None or not x.is_cpu or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != x.dtype
             or x.stride(1) != 1 or not weight.is_contiguous() or weight.dim() != 2 or weight.shape[1] != x.shape[1]
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
         return None
@@ -300,7 +301,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+    # `is_cpu` rather than `device.type`: called ~200 times per decode step (no device object)
+    for t in tensors:
+        if not (t.is_cpu and t.dtype is torch.bfloat16 and t.is_contiguous()):
+            return False
+    return True
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,

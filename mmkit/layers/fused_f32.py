@@ -22,7 +22,10 @@ def enabled() -> bool:
 
 
 def _f32_rows(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    for t in tensors:
+        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
+            return False
+    return True
 
 
 def _lib():

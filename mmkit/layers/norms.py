@@ -19,8 +19,8 @@ class RMSNorm(nn.Module):
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`, the decoder's
         pre-norm step with the residual add fused in (vLLM's calling convention). With a
         residual, x may be overwritten by the sum: pass a tensor the caller owns."""
-        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
-            kernel = cpu_kernels.rms_norm_bf16 if x.dtype == torch.bfloat16 else fused_f32.rms_norm
+        if x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32):
+            kernel = cpu_kernels.rms_norm_bf16 if x.dtype is torch.bfloat16 else fused_f32.rms_norm
             out = kernel(x, self.weight, self.eps, residual)
             if out is not None:
                 return out if residual is None else (out, x)

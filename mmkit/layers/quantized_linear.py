@@ -74,8 +74,7 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 def quant_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None:
     """x [M, K] (float32/bf16, CPU) @ w'^T -> [M, N] in x's dtype; None when the kernel cannot run."""
     fn = _kernel()
-    if (fn is None or x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.dim() != 2
-            or w.qweight.device.type != "cpu"):
+    if fn is None or not x.is_cpu or x.dtype not in _KERNEL_DTYPES or x.dim() != 2 or not w.qweight.is_cpu:
         return None
     x = x.contiguous()
     m, k = x.shape
@@ -92,8 +91,7 @@ def quant_gemm_tiled(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor | None
     """bf16 x [M, K] (CPU) @ w'^T -> bf16 [M, N] through the tiled kernel; None when it cannot run
     (another dtype, no AVX512-BF16 in the build)."""
     fn = _kernel("mmkit_quant_gemm_tiled")
-    if fn is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 \
-            or w.qweight.device.type != "cpu":
+    if fn is None or not x.is_cpu or x.dtype != torch.bfloat16 or x.dim() != 2 or not w.qweight.is_cpu:
         return None
     x = x.contiguous()
     m, k = x.shape

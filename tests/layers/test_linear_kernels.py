@@ -1,16 +1,16 @@
 """The C linear kernels against torch: the float32 GEMV (`cpu_kernels.dense_gemv`) and the bf16
-panel GEMM (`layers/bf16_panels.py`), on the shapes a model sends (few and many rows, widths
+panel GEMM (`layers/linear_panels.py`), on the shapes a model sends (few and many rows, widths
 that are not multiples of the kernels' blocks, strided rows, bias), and `Linear` choosing them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmkit.layers import bf16_panels, cpu_kernels
+from mmkit.layers import cpu_kernels, linear_panels
 from mmkit.models.llama import GEMV_MAX_ROWS, Linear
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
-needs_panels = pytest.mark.skipif(not bf16_panels.available(), reason="needs AVX512-BF16")
+needs_panels = pytest.mark.skipif(not linear_panels.available(), reason="needs AVX512-BF16")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -45,10 +45,31 @@ def test_dense_gemv_refuses_what_it_cannot_run():
 @needs_panels
 def test_panels_round_trip_and_zero_padding():
     w = torch.randn(45, 10, generator=_gen(4)).bfloat16()
-    panels = bf16_panels.pack(w)
+    panels = linear_panels.pack(w)
     assert panels.shape == (2, 5, 32, 2)
-    assert torch.equal(bf16_panels.unpack(panels, 45), w)
+    assert torch.equal(linear_panels.unpack(panels, 45), w)
     assert torch.equal(panels[1, :, 13:], torch.zeros(5, 19, 2, dtype=torch.bfloat16))  # rows past N
+
+
+@needs_panels
+def test_float32_panels_round_trip():
+    w = torch.randn(45, 11, generator=_gen(12))
+    panels = linear_panels.pack(w)
+    assert panels.shape == (2, 11, 32)
+    assert torch.equal(linear_panels.unpack(panels, 45), w)
+
+
+@needs_panels
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 130, 300])
+@pytest.mark.parametrize("n,k", [(96, 64), (45, 11), (33, 599)])
+def test_float32_panel_gemm_matches_torch(m, n, k):
+    w = torch.randn(n, k, generator=_gen(13))
+    b = torch.randn(n, generator=_gen(14))
+    x = torch.randn(m, k + 3, generator=_gen(15))[:, :k]
+    out = linear_panels.gemm(x, linear_panels.pack(w), n, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
 
 @needs_panels
@@ -60,7 +81,7 @@ def test_panel_gemm_matches_float_reference(m, n, k):
     w = torch.randn(n, k, generator=_gen(5)).bfloat16()
     b = torch.randn(n, generator=_gen(6)).bfloat16()
     x = torch.randn(m, k + 4, generator=_gen(7)).bfloat16()[:, :k]
-    out = bf16_panels.gemm(x, bf16_panels.pack(w), n, b)
+    out = linear_panels.gemm(x, linear_panels.pack(w), n, b)
     ref = F.linear(x.double(), w.double(), b.double())
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     # one bf16 rounding of the result (2^-8 relative) plus float32 sums (far below it)
@@ -68,7 +89,7 @@ def test_panel_gemm_matches_float_reference(m, n, k):
     # the rounding of an exact float32 sum, where the sum is exact: small integers
     wi = torch.randint(-3, 4, (n, k), generator=_gen(8)).bfloat16()
     xi = torch.randint(-3, 4, (m, k), generator=_gen(9)).bfloat16()
-    got = bf16_panels.gemm(xi, bf16_panels.pack(wi), n, None)
+    got = linear_panels.gemm(xi, linear_panels.pack(wi), n, None)
     assert torch.equal(got, (xi.float() @ wi.float().t()).bfloat16())
 
 
@@ -86,8 +107,20 @@ def test_linear_uses_panels_and_releases_the_row_major_copy():
     assert lin(torch.randn(2, 64)).dtype == torch.float32
 
 
+@needs_panels
+def test_float32_linear_packs_panels():
+    lin = Linear(40, 24)
+    ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.pack(release_weight=True)
+    assert lin._panels and lin._packed.dtype == torch.float32 and lin.weight.numel() == 0
+    for m in (1, 16, 40):
+        x = torch.randn(m, 40, generator=_gen(16))
+        torch.testing.assert_close(lin(x), F.linear(x, ref_w, ref_b), atol=1e-5, rtol=1e-5)
+
+
 @needs_kernels
-def test_float32_linear_runs_the_gemv_for_few_rows(monkeypatch):
+def test_float32_linear_runs_the_gemv_for_few_rows_without_panels(monkeypatch):
+    monkeypatch.setenv("MMKIT_LINEAR_PANELS", "0")
     lin = Linear(40, 24)
     lin.pack()
     assert lin._packed is None  # float32 keeps its row-major weight

@@ -32,6 +32,7 @@
 #endif
 
 #define MMKIT_QROWS 4
+#define MMKIT_Q_PF_ROWS 8
 #define MMKIT_INLINE static inline __attribute__((always_inline))
 
 /* Portable: rows of x (float32, row stride K) against one weight row. */
@@ -261,6 +262,13 @@ int mmkit_quant_gemm(void *out, const void *x, int64_t M, int64_t K, int64_t N, 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t *wrow = (const uint8_t *)w + n * row_bytes;
+#ifdef MMKIT_Q_AVX512
+        /* Rows are short (K or K / 2 bytes: a few cache lines) and read one after another, too
+         * short a stream for the hardware prefetcher to run ahead: ask for a row 8 ahead. */
+        if (n + MMKIT_Q_PF_ROWS < N)
+            for (int64_t b = 0; b < row_bytes; b += 64)
+                _mm_prefetch((const char *)(wrow + MMKIT_Q_PF_ROWS * row_bytes + b), _MM_HINT_T0);
+#endif
         const uint8_t *zrow = zeros ? (const uint8_t *)zeros + n * G : NULL;
         float res[MMKIT_QROWS];
         for (int64_t m0 = 0; m0 < M; m0 += MMKIT_QROWS) {

@@ -1,4 +1,5 @@
-/* bf16 GEMM on pre-packed weight panels, for every batch size: out[m, n] = sum_k x[m, k] w[n, k] + b[n].
+/* GEMM on pre-packed weight panels (bf16 and float32), for every batch size:
+ * out[m, n] = sum_k x[m, k] w[n, k] + b[n].
  *
  * Why our own: oneDNN's packed bf16 matmul is fast for many rows but reads weights at about
  * half the memory bandwidth at batch 1 (decode of one request, where a step reads every
@@ -13,7 +14,9 @@
  * pair broadcast from L1 (16 accumulators: MMKIT_MR rows x 2 halves of the panel).
  * Products are summed in float32 (VDPBF16PS), the bias added in float32, one rounding to bf16,
  * as oneDNN's bf16 matmul does; only the order of the float32 sums differs from it.
- * Built only where the CPU has AVX512-BF16; elsewhere mmkit keeps oneDNN (layers/bf16_panels.py). */
+ * float32 uses the same panels without the pairing (panels[p][k][c]) and FMA.
+ * Built only where the CPU has AVX512-BF16; elsewhere mmkit keeps oneDNN / F.linear
+ * (layers/linear_panels.py). */
 #include <stdint.h>
 #include <omp.h>
 #include "bf16.h"
@@ -79,6 +82,53 @@ static void panel_block(uint16_t *out, int64_t N, const uint16_t *x, int64_t xs,
         }
     }
 }
+
+/* float32 twin: panels[p][k][c] = w[32 p + c][k]; per column of k one broadcast of x and two
+ * FMAs per row of x (16 accumulators for 8 rows). Sums run over k in order, one FMA each. */
+MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
+                                 const float *panel, int64_t K, const float *bias, int64_t ncols) {
+    __m512 acc[MMKIT_MR][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        _mm_prefetch((const char *)(panel + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(panel + k * 32) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(panel + k * 32);
+        const __m512 w1 = _mm512_loadu_ps(panel + k * 32 + 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512 xb = _mm512_set1_ps(x[r * xs + k]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float v[MMKIT_PANEL];
+        _mm512_storeu_ps(v, acc[r][0]);
+        _mm512_storeu_ps(v + 16, acc[r][1]);
+        float *o = out + r * out_stride;
+        for (int64_t c = 0; c < ncols; ++c) o[c] = bias ? v[c] + bias[c] : v[c];
+    }
+}
+
+static void panel_block_f32(float *out, int64_t N, const float *x, int64_t xs, int64_t m0, int64_t m1,
+                            const float *panel, int64_t K, const float *bias, int64_t n0) {
+    const int64_t ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
+    const float *b = bias ? bias + n0 : NULL;
+    for (int64_t m = m0; m < m1; m += MMKIT_MR) {
+        const int64_t R = m1 - m < MMKIT_MR ? m1 - m : MMKIT_MR;
+        float *o = out + m * N + n0;
+        const float *xm = x + m * xs;
+        switch (R) {
+        case 8: panel_rows_f32(o, N, xm, xs, 8, panel, K, b, ncols); break;
+        case 7: panel_rows_f32(o, N, xm, xs, 7, panel, K, b, ncols); break;
+        case 6: panel_rows_f32(o, N, xm, xs, 6, panel, K, b, ncols); break;
+        case 5: panel_rows_f32(o, N, xm, xs, 5, panel, K, b, ncols); break;
+        case 4: panel_rows_f32(o, N, xm, xs, 4, panel, K, b, ncols); break;
+        case 3: panel_rows_f32(o, N, xm, xs, 3, panel, K, b, ncols); break;
+        case 2: panel_rows_f32(o, N, xm, xs, 2, panel, K, b, ncols); break;
+        default: panel_rows_f32(o, N, xm, xs, 1, panel, K, b, ncols); break;
+        }
+    }
+}
 #endif
 
 /* x: [M, K] bf16, rows x_stride apart, K even; panels as above for N outputs; out: [M, N] dense.
@@ -99,6 +149,30 @@ int mmkit_bf16_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, in
             const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
             for (int64_t p = p0; p < p1; ++p)
                 panel_block(out, N, x, x_stride, c0, c1, panels + p * panel_elems, Kp, bias, p * MMKIT_PANEL);
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)nthreads;
+    return 1;
+#endif
+}
+
+/* float32: x [M, K] rows x_stride apart; panels [P][K][32]; out [M, N] dense. Same threading. */
+int mmkit_f32_panel_gemm(float *out, const float *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                         const float *panels, const float *bias, int nthreads) {
+#ifdef MMKIT_P_BF16DP
+    const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL, panel_elems = K * MMKIT_PANEL;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
+        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+            for (int64_t p = p0; p < p1; ++p)
+                panel_block_f32(out, N, x, x_stride, c0, c1, panels + p * panel_elems, K, bias, p * MMKIT_PANEL);
         }
     }
     return 0;

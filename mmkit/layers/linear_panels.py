@@ -1,0 +1,96 @@
+"""Linear weights packed in 32-row panels for mmkit's own GEMM (csrc/bf16_gemm_cpu.c), bf16
+and float32.
+
+One copy of each weight serves every batch size: at batch 1 the kernel streams the panels at
+close to memory bandwidth (oneDNN's packed bf16 matmul and MKL's float32 GEMV read at about half
+of it here), and at 128 rows it keeps up with oneDNN / MKL. Layouts (zero past N and K):
+
+    bf16:    panels[p, kp, c, e] = w[32 p + c, 2 kp + e]   ([P, K / 2, 32, 2]: VDPBF16PS pairs)
+    float32: panels[p, k, c]     = w[32 p + c, k]           ([P, K, 32])
+
+Only on CPUs with AVX512-BF16 (the build's AVX-512 path); elsewhere `available()` is False and
+`models/llama.py::Linear` keeps oneDNN's packed weight (bf16) or `F.linear` (float32).
+`MMKIT_LINEAR_PANELS=0` turns the panels off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mmkit.layers import cpu_kernels
+
+PANEL = 32  # output rows per panel (two 16-float accumulators)
+_KERNELS = {torch.bfloat16: "mmkit_bf16_panel_gemm", torch.float32: "mmkit_f32_panel_gemm"}
+
+
+def available() -> bool:
+    if os.environ.get("MMKIT_LINEAR_PANELS", "1") == "0":
+        return False
+    lib = cpu_kernels.library()
+    return lib is not None and bool(lib.mmkit_bf16_panel_gemm_available())
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in _KERNELS and weight.dim() == 2
+            and weight.numel() > 0 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
+            and available())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels (module docstring), zero rows past N."""
+    n, k = weight.shape
+    rows = -(-n // PANEL) * PANEL
+    padded = torch.zeros((rows, k), dtype=weight.dtype)
+    padded[:n] = weight
+    if weight.dtype == torch.bfloat16:
+        return padded.view(rows // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(rows // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def in_features(panels: torch.Tensor) -> int:
+    return panels.shape[1] * 2 if panels.dim() == 4 else panels.shape[1]
+
+
+def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The row-major [N, K] weight back from its panels (tests, dequantization)."""
+    p, k = panels.shape[0], in_features(panels)
+    order = (0, 2, 1, 3) if panels.dim() == 4 else (0, 2, 1)
+    return panels.permute(*order).reshape(p * PANEL, k)[:out_features].contiguous()
+
+
+def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+    """`run(x) -> x @ w.T + bias` for x [M, K] of the panels' dtype on CPU with dense columns
+    (the caller checks; rows may be strided), with the kernel, pointers and sizes looked up once:
+    a decode step makes ~120 such calls, and the per-call Python around the kernel was as much
+    as a small projection's GEMV (measured ~12 us per `gemm` call, ~4 us here). The panels and
+    the bias must stay alive and in place while `run` is used (the owning module keeps them)."""
+    kernel = getattr(cpu_kernels.library(), _KERNELS[panels.dtype])
+    k, dtype, panels_ptr = in_features(panels), panels.dtype, panels.data_ptr()
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = empty((m, out_features), dtype=dtype)
+        if m:
+            kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, threads())
+        return out
+
+    return run
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] (the panels' dtype; rows may be strided) @ w.T + bias -> [M, N]; None when the
+    kernel cannot run on these tensors."""
+    if (x.dtype != panels.dtype or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu"
+            or x.shape[1] != in_features(panels) or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
+    kernel = getattr(cpu_kernels.library(), _KERNELS[x.dtype])
+    status = kernel(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out_features,
+                    panels.data_ptr(), bias.data_ptr() if bias is not None else None, torch.get_num_threads())
+    return out if status == 0 else None
