@@ -46,7 +46,7 @@ def write_photos(folder: Path, n: int, first_seed: int) -> list[Path]:
 def run_once(llm, paths: list[Path], params) -> tuple[float, float, list]:
     from PIL import Image
 
-    from mmkit.cli import CAPTION_QUESTION, question_inputs
+    from mmkit.entrypoints.cli.main import CAPTION_QUESTION, question_inputs
 
     images = [Image.open(p) for p in paths]  # lazy: decoded inside the timed call, by whoever needs it
     inputs = [question_inputs(llm, img, CAPTION_QUESTION) for img in images]

@@ -84,7 +84,7 @@ def main() -> None:
         print(f"{name:10s} {r['requests_per_s']:8.2f} {r['total_tokens_per_s']:9.1f} {r['vision_calls']:13d} "
               f"{r['prefix_cache_hit_rate']:16.2%}")
     ratio = on["requests_per_s"] / off["requests_per_s"]
-    # float32 gives identical outputs (tests/test_prefix_cache.py); in bf16 a random-weight
+    # float32 gives identical outputs (tests/engine/test_prefix_cache.py); in bf16 a random-weight
     # model has near-tied logits that the different attention kernels can flip.
     print(f"speedup: {ratio:.2f}x   identical greedy outputs: {same:.0%}")
     if args.json:

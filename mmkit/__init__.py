@@ -24,7 +24,7 @@ if "torch" not in sys.modules:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "mmkit.llm",
+    "LLM": "mmkit.entrypoints.llm",
     "SamplingParams": "mmkit.sampling_params",
     "StructuredOutputsParams": "mmkit.sampling_params",
     "MultiModalData": "mmkit.multimodal.parse",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmkit.engine.llm_engine import LLMEngine
     from mmkit.errors import EngineDeadError, RequestFailedError
     from mmkit.multimodal.parse import MultiModalData, PromptInputs, TextPrompt, TokensPrompt
-    from mmkit.llm import LLM
+    from mmkit.entrypoints.llm import LLM
     from mmkit.models.registry import ModelRegistry
     from mmkit.outputs import CompletionOutput, Logprob, RequestOutput
     from mmkit.sampling_params import SamplingParams, StructuredOutputsParams

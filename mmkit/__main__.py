@@ -1,6 +1,6 @@
 """`python -m mmkit` is the `mmkit` command."""
 
-from mmkit.cli import main
+from mmkit.entrypoints.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

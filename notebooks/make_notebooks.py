@@ -88,9 +88,9 @@ ev = nb([
 SETUP,
 '''import tempfile
 from mmkit import LLM, SamplingParams
-from mmkit.cli import question_inputs
-from mmkit.evaluation import ResultsFile, format_summary, read_dataset, run_evaluation
-from mmkit.image_io import load_image
+from mmkit.entrypoints.cli.main import question_inputs
+from mmkit.eval.evaluation import ResultsFile, format_summary, read_dataset, run_evaluation
+from mmkit.multimodal.image_io import load_image
 
 data = ASSETS / "eval" / "quickstart.jsonl"
 items = read_dataset(data)

@@ -49,7 +49,7 @@ def test_every_family_has_the_listed_files():
     table = _section("### Files a new family adds")
     listed = re.findall(r"^\| `([^`]*<family>[^`]*)` \|", table, re.M)
     assert listed == ["models/<family>.py", "processors/<family>.py", "mmkit/testing/<family>.py",
-                      "tests/test_<family>.py"]
+                      "tests/models/<family>/test_<family>.py"]
     for path in REGISTRATION:
         assert f"| `{path}` |" in table
     stems = _family_stems()

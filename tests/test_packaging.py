@@ -35,6 +35,10 @@ def test_wheel_contents(wheel):
         assert f"mmkit/default_model/{f}" in names
     assert "mmkit/models/llava.py" in names and "mmkit/processors/llava.py" in names
     assert any(n.startswith("mmkit/layers/csrc/") for n in names)
+    # Every package of the source tree is in the wheel (pyproject lists them one by one).
+    for init in sorted((ROOT / "mmkit").rglob("__init__.py")):
+        package = init.parent.relative_to(ROOT).as_posix()
+        assert f"{package}/__init__.py" in names, f"{package} is missing from [tool.setuptools] packages"
     assert not any(n.startswith(("tests/", "training/", "assets/", "models/", "processors/")) for n in names)
     assert wheel.stat().st_size < 24 * 2**20  # the model (17 MB fp32) dominates
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from common import scenes  # noqa: E402
 
-from mmkit.evaluation import normalize_answer  # noqa: E402  (one normalisation for training and mmkit eval)
+from mmkit.eval.evaluation import normalize_answer  # noqa: E402  (one normalisation for training and mmkit eval)
 
 
 def answer_all(model, processor, items, batch_size=32):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.sequence import Sequence, SequenceGroup
-from mmkit.scheduler_output import EncoderInput
+from mmkit.engine.scheduler_output import EncoderInput
 
 
 class EncoderScheduler:

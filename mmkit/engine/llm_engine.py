@@ -23,7 +23,7 @@ from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
-from mmkit.legacy import legacy_single_input
+from mmkit.multimodal.legacy import legacy_single_input
 from mmkit.multimodal import check_supported_modalities, supported_modalities
 from mmkit.multimodal.parse import ParsedPrompt, parse_prompt
 from mmkit.multimodal.prefetcher import MultiModalPrefetcher
@@ -161,7 +161,7 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params, final_only)
         self.scheduler.add_request(group)
-        self.input_stage.add_request(request_id, processed.images, processed.image_embeds is not None)
+        self.input_stage.add_request(request_id, processed.images, processed.image_embeds)
 
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
@@ -222,8 +222,11 @@ class LLMEngine:
         now = time.time()
         stage = self.input_stage
         for seq, row in update.samples:
-            if stage.holds(seq.group.request_id):
-                stage.release(seq.group.request_id)  # its prompt is computed: items done
+            # Its prompt is computed: the items' inputs are done, unless a preempted sequence
+            # of the request still waits to recompute it (n > 1).
+            if stage.holds(seq.group.request_id) and not any(
+                    s.status is SequenceStatus.WAITING for s in seq.group.seqs):
+                stage.prompt_done(seq.group.request_id)
             status = op.process_sample(seq.group.request_id, seq.index, out, row, now)
             if status is not None:
                 self.scheduler.finish_seq(seq, status)

@@ -11,7 +11,7 @@ Encoder work is scheduled here too (vLLM v1), by `EncoderScheduler`
 (mmkit/engine/encoder_scheduling.py): a chunk stops before an item that neither the encoder
 budget nor the encoder cache has room for.
 
-`schedule()` returns a frozen `SchedulerOutput` (mmkit/scheduler_output.py); after the
+`schedule()` returns a frozen `SchedulerOutput` (mmkit/engine/scheduler_output.py); after the
 runner computed it, `update_from_output` advances the counters, appends sampled tokens and
 forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPlan`) itself.
 """
@@ -28,7 +28,7 @@ from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.engine.block_hashes import update_block_hashes
-from mmkit.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
+from mmkit.engine.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
 
 
 @dataclass
@@ -76,6 +76,10 @@ class PreprocessTracker(Protocol):
 
     def wait(self, request_id: str) -> None:
         """Block until the request's started images are prepared (content hashes included)."""
+
+    def requeue(self, request_id: str) -> None:
+        """A preempted request: prepare its images again if they were freed (it is re-admitted
+        only once they are ready, as a new waiting request is)."""
 
 
 class Scheduler:
@@ -221,6 +225,8 @@ class Scheduler:
         self.encoder.release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        if self.preprocess is not None:  # its items' inputs go back to the workers
+            self.preprocess.requeue(seq.group.request_id)
         self._known_to_runner.discard(seq.seq_id)  # resent whole when it resumes
         self.num_preemptions += 1
         plan.num_preempted += 1

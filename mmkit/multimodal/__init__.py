@@ -7,6 +7,7 @@
 - `image_io.py` / `video_io.py`: reading images and videos from paths, URLs and bytes;
 - `modalities.py`: the one refusal of a modality a processor does not declare;
 - `hashing.py`: items' content hashes;
+- `legacy.py`: the old `prompts=` / `prompt_token_ids=` / `multi_modal_data=` keyword arguments;
 - `prefetcher.py` and `stage.py`: the per-item processor work on worker threads, ahead of the
   scheduler; the engine builds the stage and gives it to the scheduler and the runner.
 """

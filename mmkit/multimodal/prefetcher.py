@@ -22,7 +22,8 @@ How the engine uses it:
 Bounded: at most `lookahead` images are in flight or done-but-not-taken (beyond what an idle
 step needs at once), so memory stays `lookahead x [3, H, W]` floats however many requests
 wait. A slot frees when the runner takes an image, or when its request gets its first token
-or ends (an image never taken because the encoder cache already held it). A failure inside
+or ends (an image never taken because the encoder cache already held it); a taken result is
+kept until then (a failed step is retried without the processor). A failure inside
 a worker is re-raised where the runner takes that image, so it ends only that image's
 request (the engine's per-request failure policy). Workers run torch on one OpenMP thread
 (see `_one_openmp_thread`).
@@ -42,7 +43,14 @@ from mmkit.multimodal.items import ImageItem
 
 DEFAULT_NUM_WORKERS = 2
 
-_TAKEN = object()  # marker: the runner already consumed (or computed) this item
+class _Taken:
+    """An item the runner took: its result stays until the request's prompt is done, so a
+    step that failed and is retried reads it again instead of running the processor."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
 
 
 class MultiModalPrefetcher:
@@ -57,7 +65,7 @@ class MultiModalPrefetcher:
         self.num_workers = num_workers
         self._pool: ThreadPoolExecutor | None = None  # started at the first image
         self._queue: deque[tuple[str, ImageItem]] = deque()  # not yet submitted, arrival order
-        # request id -> id(item) -> Future (submitted) or _TAKEN
+        # request id -> id(item) -> Future (submitted) or _Taken
         self._live: dict[str, dict[int, Any]] = {}
         self._num_items: dict[str, int] = {}  # request id -> its number of items
         self._in_flight = 0  # submitted, neither taken nor released
@@ -83,7 +91,7 @@ class MultiModalPrefetcher:
             if not entries:
                 return
             for value in entries.values():
-                if value is not _TAKEN:
+                if not isinstance(value, _Taken):
                     value.cancel()  # a result nobody will read; cancelled if not started
                     self._in_flight -= 1
             self._fill()
@@ -100,7 +108,7 @@ class MultiModalPrefetcher:
                 return True
             if len(entries) < self._num_items[request_id]:
                 return False  # some still queued behind the lookahead
-            return all(v is _TAKEN or v.done() for v in entries.values())
+            return all(isinstance(v, _Taken) or v.done() for v in entries.values())
 
     def start_now(self, request_ids: Sequence[str]) -> None:
         """Submit these requests' queued items at once, past the lookahead: the scheduler is
@@ -146,24 +154,35 @@ class MultiModalPrefetcher:
 
     # ------------------------------------------------------------------ runner side
     def mm_item_inputs(self, request_id: str, item: ImageItem):
-        """The item's model inputs: the worker's result if it was submitted and started (its
-        error re-raised here), else computed now on this thread (a submitted item no worker
-        has started is taken back: the engine thread helps instead of waiting)."""
+        """The item's model inputs: the worker's result (its error re-raised here). The
+        scheduler admits a request only once its items are ready, so this does not wait; an
+        item that no worker has (its request was never queued here, or a submitted item no
+        worker started) is computed on this thread as a last resort, counted in `num_inline`."""
         with self._lock:
             entries = self._live.get(request_id)
             value = entries.get(id(item)) if entries is not None else None
-            if entries is not None:
-                entries[id(item)] = _TAKEN  # never submitted after this point
-            future = value if isinstance(value, Future) else None
-            if future is not None:
-                self._in_flight -= 1
-                self._fill()
-                if future.cancel():  # not started: compute it here rather than wait
-                    future = None
-        if future is None:
+            if isinstance(value, _Taken):  # taken by a step that failed: read it again
+                future, inline = value.future, False
+            else:
+                future = value if isinstance(value, Future) else None
+                if future is not None:
+                    self._in_flight -= 1
+                    self._fill()
+                    if future.cancel():  # not started: compute it here rather than wait
+                        future = None
+                inline = future is None
+                if inline:
+                    future = Future()
+                if entries is not None:
+                    entries[id(item)] = _Taken(future)  # never submitted after this point
+        if inline:
             self.num_inline += 1
-            return self.input_processor.mm_item_inputs(item)
-        self.num_prefetched += 1
+            try:
+                future.set_result(self.input_processor.mm_item_inputs(item))
+            except Exception as exc:  # noqa: BLE001 - raised below, for this request
+                future.set_exception(exc)
+        else:
+            self.num_prefetched += 1
         return future.result()
 
     def shutdown(self) -> None:
@@ -171,7 +190,7 @@ class MultiModalPrefetcher:
             self._queue.clear()
             for entries in self._live.values():
                 for value in entries.values():
-                    if value is not _TAKEN:
+                    if not isinstance(value, _Taken):
                         value.cancel()
             self._live.clear()
             self._num_items.clear()

@@ -1,21 +1,25 @@
 """The engine's multimodal input stage: from a processed request's items to their model inputs.
 
 Built once by `LLMEngine` and handed to the scheduler and the runner at construction (nothing is
-patched in afterwards):
-- `add_request` (engine, when a request is queued) starts its items' processor work on the
-  prefetcher's workers, `release` ends it (first token sampled, finished, aborted);
-- the scheduler asks `is_ready` / `start_now` / `wait` (`PreprocessTracker`) before admitting a
-  request, so a step's forward pass does not wait for PIL;
-- the runner takes an item's model inputs with `mm_item_inputs(request_id, item)`: a worker's
-  finished result (its error re-raised there, failing that request alone).
-
-With `async_preprocess=False` (or `preprocess_lookahead=0`) there is no prefetcher: the
-processor's per-item work runs where the runner asks for it, on the engine thread, and every
-request counts as ready.
+patched in afterwards). The HF processor's per-item work never runs inside `LLMEngine.step()`:
+- with prefetching (the default), `add_request` (engine, when a request is queued) starts its
+  items' processor work on the prefetcher's workers; the scheduler asks `is_ready` / `start_now`
+  / `wait` (`PreprocessTracker`) before admitting a request, so an admitted request's items are
+  done; `prompt_done` (first token sampled) frees them; a request preempted after that is
+  `requeue`d: its items go back to the workers and it is re-admitted, as a new waiting request
+  is, only once they are ready again;
+- with `async_preprocess=False` (or `preprocess_lookahead=0`) there are no workers: `add_request`
+  computes the items' inputs on the calling thread when the request is added (outside `step()`)
+  and keeps them until the request ends (a preempted request needs them again), so every
+  request counts as ready. The price: every queued request's inputs are held at once.
+- the runner takes an item's model inputs with `mm_item_inputs(request_id, item)`: a finished
+  result, its error (if the processor raised) re-raised there, failing that request alone;
+- `release` (finished, aborted) forgets the request.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence
 
 from mmkit.models.interfaces import MultiModalKwargs
@@ -30,26 +34,58 @@ class MultiModalInputStage:
         self.input_processor = input_processor
         self.prefetcher: MultiModalPrefetcher | None = (
             MultiModalPrefetcher(input_processor, lookahead) if lookahead > 0 else None)
+        # request id -> its items that need the processor, until the request ends (requeue)
+        self._items: dict[str, list[MultiModalItem]] = {}
+        # Without prefetching: request id -> id(item) -> its inputs, computed when it was added
+        self._computed: dict[str, dict[int, Future]] = {}
 
     # ------------------------------------------------------------------ engine side
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> Iterable[Any]:
         """`map` on the workers (the API decodes a call's lazily opened files with it)."""
         return self.prefetcher.map(fn, items) if self.prefetcher is not None else map(fn, items)
 
-    def add_request(self, request_id: str, items: Sequence[MultiModalItem], has_embeds: bool) -> None:
-        """A queued request: its items' processor work starts (user embeddings need none)."""
-        if self.prefetcher is not None and items and not has_embeds:
+    def add_request(self, request_id: str, items: Sequence[MultiModalItem],
+                    given_embeds: Sequence[Any] | None = None) -> None:
+        """A queued request: its items' processor work starts (on the workers), or is done now
+        (without them). An item with user-given embeddings (`given_embeds[i]` not None) needs none."""
+        if given_embeds is not None and not isinstance(given_embeds, (list, tuple)):
+            return  # one [N, tokens, hidden] tensor for every item: no processor work
+        items = [item for i, item in enumerate(items) if given_embeds is None or given_embeds[i] is None]
+        if not items:
+            return
+        self._items[request_id] = items
+        if self.prefetcher is not None:
+            self.prefetcher.add_request(request_id, items)
+        else:
+            self._computed[request_id] = {id(item): self._compute(item) for item in items}
+
+    def prompt_done(self, request_id: str) -> None:
+        """The request's prompt is computed (first token sampled): the workers' results are
+        freed; they come back with `requeue` if it is preempted. Without workers they stay."""
+        if self.prefetcher is not None:
+            self.prefetcher.release(request_id)
+
+    def requeue(self, request_id: str) -> None:
+        """The request was preempted (recompute): if its items' results were freed, they are
+        prepared again on the workers, ahead of its re-admission (the scheduler waits for them)."""
+        items = self._items.get(request_id)
+        if self.prefetcher is not None and items and not self.prefetcher.holds(request_id):
             self.prefetcher.add_request(request_id, items)
 
     def release(self, request_id: str) -> None:
-        """The request no longer needs its items' model inputs."""
+        """The request ended (finished, aborted, failed): nothing of it is kept."""
+        self._items.pop(request_id, None)
+        self._computed.pop(request_id, None)
         if self.prefetcher is not None:
             self.prefetcher.release(request_id)
 
     def holds(self, request_id: str) -> bool:
+        """Whether the workers hold results (or queued work) of the request."""
         return self.prefetcher is not None and self.prefetcher.holds(request_id)
 
     def shutdown(self) -> None:
+        self._items.clear()
+        self._computed.clear()
         if self.prefetcher is not None:
             self.prefetcher.shutdown()
 
@@ -75,4 +111,18 @@ class MultiModalInputStage:
         """The item's model inputs for `embed_multimodal` (see the module docstring)."""
         if self.prefetcher is not None:
             return self.prefetcher.mm_item_inputs(request_id, item)
-        return self.input_processor.mm_item_inputs(item)
+        computed = self._computed.get(request_id, {}).get(id(item))
+        if computed is None:  # pragma: no cover - every processed item was computed at add
+            raise RuntimeError(f"request {request_id!r}: an item's inputs were not computed when it was added")
+        return computed.result()
+
+    def _compute(self, item: MultiModalItem) -> Future:
+        """The item's inputs now, as a finished future: an error is kept for the runner to
+        raise, so it fails this request alone (as a worker's error does)."""
+        future: Future = Future()
+        try:
+            item.content_hash()  # the scheduler's cache keys: hashed here, not in step()
+            future.set_result(self.input_processor.mm_item_inputs(item))
+        except Exception as exc:  # noqa: BLE001 - re-raised by mm_item_inputs for its request
+            future.set_exception(exc)
+        return future

@@ -10,7 +10,7 @@
 Each replica is a Ray actor holding one `LLM`; Ray Data streams batches of rows to the
 replicas with backpressure, so a dataset larger than memory flows through in bounded memory.
 Images travel as what the row holds (encoded bytes, a path or a URL) and are decoded inside
-the replica, never pickled as PIL images. The row format is described in `mmkit.batch_rows`.
+the replica, never pickled as PIL images. The row format is described in `mmkit.ray.batch_rows`.
 Needs the `ray` extra: `pip install "mmkit[ray]"`.
 """
 
@@ -25,7 +25,7 @@ import pyarrow as pa
 import ray
 import ray.data
 
-from mmkit.batch_rows import OUTPUT_COLUMNS, run_rows
+from mmkit.ray.batch_rows import OUTPUT_COLUMNS, run_rows
 from mmkit.sampling_params import SamplingParams
 
 __all__ = ["build_processor", "Processor", "EngineReplica"]
@@ -50,7 +50,7 @@ class EngineReplica:
         import torch
 
         torch.set_num_threads(num_threads)
-        from mmkit.llm import LLM
+        from mmkit.entrypoints.llm import LLM
 
         self.llm = LLM(model, **engine_args)
         self.sampling_params = sampling_params

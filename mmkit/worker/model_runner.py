@@ -16,7 +16,7 @@ from mmkit.config import EngineConfig
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
-from mmkit.scheduler_output import SchedulerOutput
+from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)

@@ -8,7 +8,7 @@ from pathlib import Path
 from PIL import Image
 
 _DATA_DIR = Path(__file__).resolve().parent.parent
-# The options of each question type (the scene generator's vocabulary, `mmkit.scenes`).
+# The options of each question type (the scene generator's vocabulary, `mmkit.eval.scenes`).
 OPTIONS = {
     "color": ["red", "green", "blue", "yellow", "purple", "orange"],
     "size_color": ["red", "green", "blue", "yellow", "purple", "orange"],
@@ -33,7 +33,7 @@ def doc_to_target(doc):
 
 def process_results(doc, results):
     """mmkit eval's normalised accuracy: lower case, no surrounding space or trailing punctuation."""
-    from mmkit.evaluation import is_correct
+    from mmkit.eval.evaluation import is_correct
 
     return {"accuracy": float(is_correct(results[0], [doc["answer"]]))}
 

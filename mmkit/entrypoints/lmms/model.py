@@ -16,7 +16,7 @@ from lmms_eval.api.model import lmms
 
 from mmkit.entrypoints.lmms.args import split_model_args
 from mmkit.entrypoints.lmms.requests import sampling_params_from, split_visuals
-from mmkit.scoring import ScoreRequest, score_continuations, user_turn
+from mmkit.eval.scoring import ScoreRequest, score_continuations, user_turn
 
 
 class MMKit(lmms):
@@ -51,7 +51,7 @@ class MMKit(lmms):
         return split_visuals(doc_to_visual(self._doc(task, split, doc_id)))
 
     def _prompt(self, images: list, videos: list, context: str) -> dict:
-        from mmkit.chat import conversations_to_inputs
+        from mmkit.entrypoints.chat_utils import conversations_to_inputs
 
         engine = self.llm.llm_engine
         processor = engine.input_processor.hf_processor or self.llm.get_tokenizer()

@@ -83,7 +83,7 @@ class SamplingRequestFields(BaseModel):
 class ChatCompletionRequest(SamplingRequestFields):
     """Body of `POST /v1/chat/completions`.
 
-    `messages` stay plain dicts here: mmkit.chat validates them with messages that name the
+    `messages` stay plain dicts here: mmkit.entrypoints.chat_utils validates them with messages that name the
     offending `messages[i].content[j]`, the same checks `LLM.chat` runs.
     """
 

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mmkit.chat import conversations_to_inputs
+from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse,
@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
             return conversations_to_inputs(processor, messages, self.config.chat_template,
                                            request.add_generation_prompt)[0]
         except (ValueError, TypeError) as exc:
-            # mmkit.chat names parts of a list of conversations; a request holds one.
+            # mmkit.entrypoints.chat_utils names parts of a list of conversations; a request holds one.
             message = str(exc).replace("messages[0][", "messages[").replace("messages[0]:", "messages:")
             raise bad_request(type(exc)(message)) from exc
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception (say, roles out of order)

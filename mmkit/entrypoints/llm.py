@@ -1,0 +1,165 @@
+"""LLM: the offline entry point (`generate`, `chat`), vLLM-style."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from mmkit.entrypoints.chat_utils import conversations_to_inputs
+from mmkit.config import EngineArgs
+from mmkit.engine.llm_engine import LLMEngine
+from mmkit.engine.request_driver import RequestDriver
+from mmkit.errors import RequestFailedError
+from mmkit.multimodal.legacy import legacy_to_inputs
+from mmkit.multimodal import supported_modalities
+from mmkit.multimodal.parse import PromptInputs, parse_inputs
+from mmkit.outputs import RequestOutput
+from mmkit.sampling_params import SamplingParams
+
+
+class LLM:
+    """A vision-language model ready for offline batched generation.
+
+    `LLM(model=None, **engine_args)`: `model` is a checkpoint folder or a model id
+    already in the local HF cache; None loads the embedded default model. Every other keyword
+    is an `EngineArgs` field (dtype, device, seed, max_model_len, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> dict[str, int]:
+        return self.llm_engine.get_metrics()
+
+    def generate(
+        self,
+        inputs: PromptInputs | Sequence[PromptInputs] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        prompts: Any = None,
+        prompt: Any = None,
+        prompt_token_ids: Any = None,
+        multi_modal_data: Any = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for one prompt or a batch; outputs come back in input order.
+
+        `inputs`: a string, `{"prompt": str, "multi_modal_data": ...}`,
+        `{"prompt_token_ids": [...], "multi_modal_data": ...}` or a list mixing them.
+        `sampling_params`: one `SamplingParams` for all, or a list of the same length.
+        The legacy keywords `prompts=`/`prompt=`, `prompt_token_ids=` and `multi_modal_data=`
+        still work and emit a DeprecationWarning.
+
+        If some prompts fail after admission (an image that cannot be decoded), the others
+        still complete and `mmkit.RequestFailedError` is raised: its `.outputs` holds every
+        output in input order (None for the failed prompts) and `.failed` the errors by index.
+        """
+        if prompts is not None and prompt is not None:
+            raise ValueError("LLM.generate: got both prompts= and prompt=; pass `inputs`")
+        legacy_prompts, legacy_name = (prompt, "prompt") if prompt is not None else (prompts, "prompts")
+        if legacy_prompts is not None or prompt_token_ids is not None or multi_modal_data is not None:
+            if inputs is not None:
+                raise ValueError("LLM.generate: got both `inputs` and legacy prompt arguments; pass only `inputs`")
+            inputs = legacy_to_inputs(legacy_prompts, prompt_token_ids, multi_modal_data,
+                                      prompt_name=legacy_name)
+        if inputs is None:
+            raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
+        parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
+        params_list = self._params_list(sampling_params, len(parsed))
+        return self._run(parsed, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations.
+
+        Messages are OpenAI-style: `{"role": "user", "content": "text"}` or content as a list
+        of parts `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..." | "path/or/file://url" | "https://..."}}`,
+        `{"type": "image", "image": PIL.Image}`; for video models (a processor whose
+        `supported_modalities` holds "video") also
+        `{"type": "video_url", "video_url": {"url": "movie.mp4" | [frames]}}` (files need PyAV)
+        and `{"type": "video", "video": frames}`. Rendered with the checkpoint's chat template
+        (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
+        """
+        processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
+        allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
+        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
+        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != count:
+                raise ValueError(
+                    f"sampling_params: got a list of {len(sampling_params)}; expected one SamplingParams "
+                    f"or a list of {count} (one per input)"
+                )
+            for i, p in enumerate(sampling_params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}]: got {type(p).__name__}; expected SamplingParams")
+            return list(sampling_params)
+        raise TypeError(f"sampling_params: got {type(sampling_params).__name__}; expected SamplingParams or a list")
+
+    def _run(self, parsed, params_list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything before adding anything: a bad input leaves no request behind.
+        ids = [str(next(self._request_counter)) for _ in parsed]
+        ready = [engine.process_request(rid, p, sp) for rid, p, sp in zip(ids, parsed, params_list)]
+        results: dict[str, RequestOutput] = {}
+        errors: dict[str, BaseException] = {}
+        driver = RequestDriver(engine)
+        try:
+            for rid, (processed, params) in zip(ids, ready):
+                driver.add(rid, processed, params, final_only=True)
+            self._drive(driver, results, errors, use_tqdm)
+        except BaseException:
+            # Includes KeyboardInterrupt: the engine must not keep half a batch.
+            driver.abort_all()
+            raise
+        if errors:
+            index = {rid: i for i, rid in enumerate(ids)}
+            failed = {index[rid]: exc for rid, exc in errors.items()}
+            error = RequestFailedError([results.get(rid) for rid in ids], failed,
+                                       {index[rid]: rid for rid in errors})
+            raise error from failed[min(failed)]
+        return [results[rid] for rid in ids]
+
+    @staticmethod
+    def _drive(driver: RequestDriver, results: dict[str, RequestOutput], errors: dict[str, BaseException],
+               use_tqdm: bool) -> None:
+        bar = tqdm(total=len(driver), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            for step in driver.run():
+                errors.update(step.errors)
+                bar.update(len(step.errors))
+                for out in step.finished:
+                    results[out.request_id] = out
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, "
+                                        f"output: {num_out / elapsed:.1f} toks/s", refresh=False)
+                    bar.update(1)
+        finally:
+            bar.close()

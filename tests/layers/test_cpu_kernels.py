@@ -1,0 +1,245 @@
+"""The C kernels of mmkit/layers/cpu_kernels.py against the torch reference paths, their
+fallbacks (disabled, no compiler), and the bf16 engine with and without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmkit.layers import cpu_kernels
+from mmkit.layers.attention import AttentionMetadata, build_decode_metadata, decode_attention_torch, kv_cache_shape
+from mmkit.layers.norms import RMSNorm
+from mmkit.layers.rotary import apply_rotary
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: torch fallback only")
+
+
+def _decode_problem(lens, heads, kv_heads, dim, block_size, dtype, seed=0, extra_heads=0):
+    """Caches with random contents, shuffled block tables, and q as strided rows of a qkv-like tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + 3
+    k_cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, dim), generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(order[at:at + n])
+        at += n
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long))
+    build_decode_metadata(meta, tables, list(lens), block_size, torch.device("cpu"))
+    qkv = torch.randn(len(lens), heads + extra_heads, dim, generator=gen).to(dtype)
+    return qkv[:, :heads], k_cache, v_cache, meta
+
+
+def _kernel(q, k_cache, v_cache, meta, scale):
+    return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_ids, meta.decode_max_blocks,
+                                              meta.decode_context_lens, scale)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 16)])
+def test_decode_kernel_matches_torch_reference(dtype, atol, heads, kv_heads, dim):
+    # lengths: 1 token, exactly one block, one past a block, long, longer (scratch grows)
+    q, k_cache, v_cache, meta = _decode_problem([1, 16, 17, 300, 2500, 45], heads, kv_heads, dim, 16, dtype,
+                                                extra_heads=2 * kv_heads)
+    assert not q.is_contiguous()  # rows strided as in the engine (q is a slice of qkv)
+    scale = dim ** -0.5
+    out = _kernel(q, k_cache, v_cache, meta, scale)
+    ref = decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=6), block_size=st.sampled_from([1, 4, 16]),
+       group=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_decode_kernel_property(lens, block_size, group, seed):
+    q, k_cache, v_cache, meta = _decode_problem(lens, 2 * group, 2, 16, block_size, torch.float32, seed=seed)
+    out = _kernel(q, k_cache, v_cache, meta, 0.25)
+    ref = decode_attention_torch(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+
+
+@needs_kernels
+def test_decode_kernel_declines_what_it_does_not_handle():
+    q, k_cache, v_cache, meta = _decode_problem([5, 9], 4, 2, 8, 4, torch.float16)
+    assert _kernel(q, k_cache, v_cache, meta, 0.3) is None  # float16: torch path
+    q, k_cache, v_cache, meta = _decode_problem([5, 9], 4, 2, 8, 4, torch.float32)
+    assert _kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, meta, 0.3) is None
+
+
+@needs_kernels
+@torch.no_grad()
+def test_rms_norm_kernel_matches_hf_rounding():
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(300, 576) * 3).bfloat16()
+    res = (torch.randn(300, 576) * 3).bfloat16()
+    ref_sum = res + x
+    ref = norm._norm(ref_sum)
+    x_copy = x.clone()
+    out, summed = norm(x_copy, res)
+    assert torch.equal(summed, ref_sum)  # the residual stream is exact
+    assert summed.data_ptr() == x_copy.data_ptr()  # written into the caller's x, res untouched
+    diff = (out.float() - ref.float()).abs()
+    # Only the order of the float32 sum of squares differs: rarely one bf16 ulp of the
+    # normalised value, which the weight multiply can round into two.
+    assert (out != ref).float().mean() < 1e-3
+    assert bool((diff <= ref.float().abs() * 2 ** -6).all())
+    assert torch.equal(norm(x), norm._norm(x)) or (norm(x) != norm._norm(x)).float().mean() < 1e-3
+
+
+@needs_kernels
+def test_rotary_kernel_is_bit_identical_to_torch_ops():
+    torch.manual_seed(0)
+    cos, ssin = torch.randn(512, 64), torch.randn(512, 64)
+    qkv = torch.randn(70, 15, 64).bfloat16()
+    pos = torch.randint(0, 512, (70,))
+    ref = apply_rotary(qkv[:, :12], cos[pos].bfloat16().unsqueeze(1), ssin[pos].bfloat16().unsqueeze(1))
+    got = qkv.clone()
+    assert cpu_kernels.rotary_bf16_(got, 12, pos, cos, ssin)
+    assert torch.equal(got[:, :12], ref)
+    assert torch.equal(got[:, 12:], qkv[:, 12:])  # v heads untouched
+    assert not cpu_kernels.rotary_bf16_(qkv.float(), 12, pos, cos, ssin)  # float32: torch path
+
+
+@needs_kernels
+def test_silu_mul_kernel_matches_torch():
+    torch.manual_seed(0)
+    gate_up = (torch.randn(64, 2 * 1536) * 6).bfloat16()
+    ref = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    got = cpu_kernels.silu_mul_bf16(gate_up)
+    assert (got != ref).float().mean() < 1e-3
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    assert cpu_kernels.silu_mul_bf16(gate_up.float()) is None
+
+
+def test_disabled_kernels_fall_back_to_torch(tiny_ckpt):
+    """MMKIT_CPU_KERNELS=0 (and a failed build) leave every path on torch ops, same tokens."""
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from mmkit import LLM, SamplingParams\n"
+        "from mmkit.layers import cpu_kernels\n"
+        "llm = LLM(%r, dtype='bfloat16')\n"
+        "out = llm.generate(['a photo of', 'the sea is'], SamplingParams(temperature=0, max_tokens=8, "
+        "ignore_eos=True), use_tqdm=False)\n"
+        "print(cpu_kernels.library() is not None, [o.outputs[0].token_ids for o in out])\n"
+    ) % (str(Path(__file__).resolve().parents[1]), str(tiny_ckpt))
+    runs = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, MMKIT_CPU_KERNELS=flag, OMP_WAIT_POLICY="PASSIVE")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[flag] = proc.stdout.strip().splitlines()[-1]
+    assert runs["0"].startswith("False")
+    if runs["1"].startswith("True"):
+        # bf16 kernels round like torch; a tiny random model's tokens come out the same.
+        assert runs["1"].split(" ", 1)[1] == runs["0"].split(" ", 1)[1]
+
+
+def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("MMKIT_REQUIRE_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("MMKIT_CACHE_DIR", str(tmp_path))
+    saved = dict(cpu_kernels._state)
+    cpu_kernels._state.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CPU kernels are unavailable.*failed"):
+            assert cpu_kernels.library() is None
+        assert cpu_kernels.library() is None  # remembered: no second build, no second warning
+        q = torch.randn(2, 4, 8)
+        assert cpu_kernels.paged_decode_attention(q, torch.zeros(2, 4, 4, 8), torch.zeros(2, 4, 4, 8),
+                                                  torch.zeros(4, dtype=torch.long), 2,
+                                                  torch.tensor([3, 5]), 0.3) is None
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved)
+
+
+@needs_kernels
+def test_kernel_library_is_cached_by_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMKIT_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels._build()
+    assert first.exists() and first.parent == tmp_path / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels._build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert not list(first.parent.glob("*.part"))
+
+
+def test_decode_attention_scale_and_softmax_agree_with_naive():
+    """The torch reference itself against a plain softmax (what the kernels are held to)."""
+    q, k_cache, v_cache, meta = _decode_problem([7, 20], 4, 2, 8, 4, torch.float32, seed=3)
+    out = decode_attention_torch(q, k_cache, v_cache, meta, 1 / math.sqrt(8))
+    for s, n in enumerate([7, 20]):
+        blocks = meta.decode_block_ids.view(2, -1)[s]
+        k = k_cache[:, blocks].reshape(2, -1, 8)[:, :n]
+        v = v_cache[:, blocks].reshape(2, -1, 8)[:, :n]
+        for h in range(4):
+            p = (k[h // 2] @ q[s, h] / math.sqrt(8)).softmax(-1)
+            torch.testing.assert_close(out[s, h], p @ v[h // 2], rtol=0, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_kernel_equals_index_copy(dtype):
+    torch.manual_seed(0)
+    kv_heads, num_blocks, block_size, dim = 3, 10, 4, 16
+    qkv = torch.randn(7, 9 + 2 * kv_heads, dim).to(dtype)
+    k, v = qkv[:, 9:9 + kv_heads], qkv[:, 9 + kv_heads:]  # strided rows, as in the engine
+    slots = torch.tensor([5, 0, 39, 12, 13, 22, 7])
+    ref_k = torch.zeros(kv_cache_shape(num_blocks, block_size, kv_heads, dim), dtype=dtype)
+    ref_v = torch.zeros_like(ref_k)
+    ref_k.view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    ref_v.view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    got_k, got_v = torch.zeros_like(ref_k), torch.zeros_like(ref_v)
+    assert cpu_kernels.write_kv(got_k, got_v, k, v, slots)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    # A layout it does not handle is declined, nothing written.
+    assert not cpu_kernels.write_kv(got_k, got_v, k.transpose(1, 2), v.transpose(1, 2), slots)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_kernel_matches_torch_including_ties(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1000).to(dtype)
+    logits[1, [3, 700, 999]] = 50.0  # ties: the first index wins, as torch.argmax
+    logits[2] = float("-inf")  # all -inf: index 0, as torch
+    logits[3, 999] = float("inf")
+    wide = torch.randn(9, 1500).to(dtype)[:, 200:1200]  # strided rows
+    for x in (logits, wide):
+        assert torch.equal(cpu_kernels.argmax_rows(x), x.float().argmax(dim=-1))
+    logits[4, 10] = float("nan")
+    assert cpu_kernels.argmax_rows(logits) is None  # NaN rows: torch decides
+
+
+def test_greedy_fast_path_equals_general_sampler():
+    from mmkit import SamplingParams
+    from mmkit.layers.sampler import Sampler, SamplingRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500).bfloat16()
+    logits[0, [5, 9]] = 9.0
+    plain = [SamplingRow(SamplingParams(temperature=0), None, [], []) for _ in range(6)]
+    fast = Sampler()(logits, plain)
+    # A row asking for logprobs forces the general path for the whole batch.
+    mixed = plain[:5] + [SamplingRow(SamplingParams(temperature=0, logprobs=0), None, [], [])]
+    general = Sampler()(logits, mixed)
+    assert fast.token_ids == general.token_ids == logits.float().argmax(-1).tolist()
+    assert fast.token_ids[0] == 5 and fast.logprobs is None
