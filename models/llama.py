@@ -45,18 +45,19 @@ class Linear(nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
-    _panels: bool = False  # `_packed` holds linear_panels' layout (else oneDNN's)
-    _run_panels = None  # linear_panels.bind(...) once packed: the per-call fast path
+    _run_panels = None  # linear_panels.bind(...) when `_packed` holds panels (else oneDNN's layout)
+
+    @property
+    def _panels(self) -> bool:
+        return self._run_panels is not None
 
     @torch.no_grad()
     def pack(self, release_weight: bool = False) -> None:
         """`release_weight`: drop the row-major weight once packed (the packed copy is the
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
-        use_panels = os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight)
-        self._panels = use_panels
         self._run_panels = None
-        if use_panels:
+        if os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight):
             self._packed = linear_panels.pack(self.weight.detach())
             self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
         else:
@@ -65,25 +66,21 @@ class Linear(nn.Linear):
         if self._packed is not None and release_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self._panels:
-            return linear_panels.gemm(x, self._packed, self.out_features, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        run = self._run_panels
-        if run is not None and x.dtype is self._packed.dtype and x.dim() == 2 and x.is_cpu \
-                and x.shape[1] == self.in_features and x.stride(1) == 1:
-            return run(x)
-        packed = self._packed
-        if packed is not None:
-            if x.dim() == 2 and x.dtype == (packed.dtype if self._panels else torch.bfloat16):
-                out = self._packed_matmul(x)
-                if out is not None:
-                    return out
-            if self.weight.numel() == 0:  # released: any other shape/dtype through the packed copy
-                flat = x.reshape(-1, self.in_features).to(packed.dtype if self._panels else torch.bfloat16)
-                out = self._packed_matmul(flat.contiguous())
+        packed, run = self._packed, self._run_panels
+        if run is not None:
+            if x.dtype is packed.dtype and x.dim() == 2 and x.is_cpu and x.shape[1] == self.in_features \
+                    and x.stride(1) == 1:
+                return run(x)
+            if self.weight.numel() == 0:  # released: any other shape/dtype through the panels
+                flat = x.reshape(-1, self.in_features).to(packed.dtype).contiguous()
+                return run(flat).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        elif packed is not None:  # oneDNN's layout (bf16)
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
+            if self.weight.numel() == 0:
+                flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+                out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [None], "")
                 return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         elif x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.is_cpu:
             # A few float32 rows (decode at small batch) without the panels: bound by reading

@@ -22,18 +22,18 @@ import torch
 from mmkit.layers import cpu_kernels
 
 PANEL = 32  # output rows per panel (two 16-float accumulators)
-_KERNELS = {torch.bfloat16: "mmkit_bf16_panel_gemm", torch.float32: "mmkit_f32_panel_gemm"}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # mmkit_panel_gemm's `dtype`
 
 
 def available() -> bool:
     if os.environ.get("MMKIT_LINEAR_PANELS", "1") == "0":
         return False
     lib = cpu_kernels.library()
-    return lib is not None and bool(lib.mmkit_bf16_panel_gemm_available())
+    return lib is not None and bool(lib.mmkit_panel_gemm_available())
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in _KERNELS and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dtype in _DTYPE_CODES and weight.dim() == 2
             and weight.numel() > 0 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
             and available())
 
@@ -64,10 +64,10 @@ def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     """`run(x) -> x @ w.T + bias` for x [M, K] of the panels' dtype on CPU with dense columns
     (the caller checks; rows may be strided), with the kernel, pointers and sizes looked up once:
     a decode step makes ~120 such calls, and the per-call Python around the kernel was as much
-    as a small projection's GEMV (measured ~12 us per `gemm` call, ~4 us here). The panels and
+    as a small projection's GEMV (~12 us with the lookups per call, ~4 us bound). The panels and
     the bias must stay alive and in place while `run` is used (the owning module keeps them)."""
-    kernel = getattr(cpu_kernels.library(), _KERNELS[panels.dtype])
-    k, dtype, panels_ptr = in_features(panels), panels.dtype, panels.data_ptr()
+    kernel = cpu_kernels.library().mmkit_panel_gemm
+    k, dtype, code, panels_ptr = in_features(panels), panels.dtype, _DTYPE_CODES[panels.dtype], panels.data_ptr()
     bias_ptr = bias.data_ptr() if bias is not None else None
     empty, threads = torch.empty, torch.get_num_threads
 
@@ -75,7 +75,7 @@ def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
         m = x.shape[0]
         out = empty((m, out_features), dtype=dtype)
         if m:
-            kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, threads())
+            kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, code, threads())
         return out
 
     return run
@@ -87,10 +87,4 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.T
     if (x.dtype != panels.dtype or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu"
             or x.shape[1] != in_features(panels) or (bias is not None and bias.dtype != x.dtype)):
         return None
-    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
-    kernel = getattr(cpu_kernels.library(), _KERNELS[x.dtype])
-    status = kernel(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out_features,
-                    panels.data_ptr(), bias.data_ptr() if bias is not None else None, torch.get_num_threads())
-    return out if status == 0 else None
+    return bind(panels, out_features, bias)(x)

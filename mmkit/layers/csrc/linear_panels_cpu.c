@@ -62,27 +62,6 @@ MMKIT_INLINE void panel_rows(uint16_t *out, int64_t out_stride, const uint16_t *
     }
 }
 
-static void panel_block(uint16_t *out, int64_t N, const uint16_t *x, int64_t xs, int64_t m0, int64_t m1,
-                        const uint16_t *panel, int64_t Kp, const uint16_t *bias, int64_t n0) {
-    const int64_t ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
-    const uint16_t *b = bias ? bias + n0 : NULL;
-    for (int64_t m = m0; m < m1; m += MMKIT_MR) {
-        const int64_t R = m1 - m < MMKIT_MR ? m1 - m : MMKIT_MR;
-        uint16_t *o = out + m * N + n0;
-        const uint16_t *xm = x + m * xs;
-        switch (R) {
-        case 8: panel_rows(o, N, xm, xs, 8, panel, Kp, b, ncols); break;
-        case 7: panel_rows(o, N, xm, xs, 7, panel, Kp, b, ncols); break;
-        case 6: panel_rows(o, N, xm, xs, 6, panel, Kp, b, ncols); break;
-        case 5: panel_rows(o, N, xm, xs, 5, panel, Kp, b, ncols); break;
-        case 4: panel_rows(o, N, xm, xs, 4, panel, Kp, b, ncols); break;
-        case 3: panel_rows(o, N, xm, xs, 3, panel, Kp, b, ncols); break;
-        case 2: panel_rows(o, N, xm, xs, 2, panel, Kp, b, ncols); break;
-        default: panel_rows(o, N, xm, xs, 1, panel, Kp, b, ncols); break;
-        }
-    }
-}
-
 /* float32 twin: panels[p][k][c] = w[32 p + c][k]; per column of k one broadcast of x and two
  * FMAs per row of x (16 accumulators for 8 rows). Sums run over k in order, one FMA each. */
 MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
@@ -109,36 +88,50 @@ MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x,
     }
 }
 
-static void panel_block_f32(float *out, int64_t N, const float *x, int64_t xs, int64_t m0, int64_t m1,
-                            const float *panel, int64_t K, const float *bias, int64_t n0) {
-    const int64_t ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
-    const float *b = bias ? bias + n0 : NULL;
+#define MMKIT_P_ROWS(FN, o, xm, R, ...)                   \
+    switch (R) {                                           \
+    case 8: FN(o, N, xm, xs, 8, __VA_ARGS__); break;       \
+    case 7: FN(o, N, xm, xs, 7, __VA_ARGS__); break;       \
+    case 6: FN(o, N, xm, xs, 6, __VA_ARGS__); break;       \
+    case 5: FN(o, N, xm, xs, 5, __VA_ARGS__); break;       \
+    case 4: FN(o, N, xm, xs, 4, __VA_ARGS__); break;       \
+    case 3: FN(o, N, xm, xs, 3, __VA_ARGS__); break;       \
+    case 2: FN(o, N, xm, xs, 2, __VA_ARGS__); break;       \
+    default: FN(o, N, xm, xs, 1, __VA_ARGS__); break;      \
+    }
+
+/* Rows [m0, m1) of x against panel p (output columns n0 = 32 p ..), MMKIT_MR rows at a time
+ * (R a compile-time constant in each case, so the accumulators stay in registers). */
+static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t m0, int64_t m1,
+                        const void *panels, int64_t K, const void *bias, int64_t p, int dtype) {
+    const int64_t n0 = p * MMKIT_PANEL, ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
     for (int64_t m = m0; m < m1; m += MMKIT_MR) {
         const int64_t R = m1 - m < MMKIT_MR ? m1 - m : MMKIT_MR;
-        float *o = out + m * N + n0;
-        const float *xm = x + m * xs;
-        switch (R) {
-        case 8: panel_rows_f32(o, N, xm, xs, 8, panel, K, b, ncols); break;
-        case 7: panel_rows_f32(o, N, xm, xs, 7, panel, K, b, ncols); break;
-        case 6: panel_rows_f32(o, N, xm, xs, 6, panel, K, b, ncols); break;
-        case 5: panel_rows_f32(o, N, xm, xs, 5, panel, K, b, ncols); break;
-        case 4: panel_rows_f32(o, N, xm, xs, 4, panel, K, b, ncols); break;
-        case 3: panel_rows_f32(o, N, xm, xs, 3, panel, K, b, ncols); break;
-        case 2: panel_rows_f32(o, N, xm, xs, 2, panel, K, b, ncols); break;
-        default: panel_rows_f32(o, N, xm, xs, 1, panel, K, b, ncols); break;
+        if (dtype == 1) {
+            const uint16_t *panel = (const uint16_t *)panels + p * K * MMKIT_PANEL;
+            const uint16_t *b = bias ? (const uint16_t *)bias + n0 : NULL;
+            uint16_t *o = (uint16_t *)out + m * N + n0;
+            const uint16_t *xm = (const uint16_t *)x + m * xs;
+            MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols)
+        } else {
+            const float *panel = (const float *)panels + p * K * MMKIT_PANEL;
+            const float *b = bias ? (const float *)bias + n0 : NULL;
+            float *o = (float *)out + m * N + n0;
+            const float *xm = (const float *)x + m * xs;
+            MMKIT_P_ROWS(panel_rows_f32, o, xm, R, panel, K, b, ncols)
         }
     }
 }
 #endif
 
-/* x: [M, K] bf16, rows x_stride apart, K even; panels as above for N outputs; out: [M, N] dense.
- * Threads split the panels (contiguous runs); rows of x go MMKIT_M_CHUNK at a time.
+/* x: [M, K] (dtype 0 float32, 1 bf16 with K even), rows x_stride apart; panels as above for N
+ * outputs; bias [N] or NULL; out: [M, N] dense, all of x's dtype. Threads split the panels
+ * (contiguous runs); rows of x go MMKIT_M_CHUNK at a time.
  * Returns 0, or 1 when this build has no AVX512-BF16 path (nothing written). */
-int mmkit_bf16_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
-                          const uint16_t *panels, const uint16_t *bias, int nthreads) {
+int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                     const void *panels, const void *bias, int dtype, int nthreads) {
 #ifdef MMKIT_P_BF16DP
-    const int64_t Kp = K / 2, P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
-    const int64_t panel_elems = Kp * 2 * MMKIT_PANEL;
+    const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
     for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
@@ -146,43 +139,19 @@ int mmkit_bf16_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, in
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-            for (int64_t p = p0; p < p1; ++p)
-                panel_block(out, N, x, x_stride, c0, c1, panels + p * panel_elems, Kp, bias, p * MMKIT_PANEL);
+            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
+                panel_block(out, N, x, x_stride, c0, c1, panels, K, bias, p, dtype);
         }
     }
     return 0;
 #else
-    (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)nthreads;
+    (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)dtype;
+    (void)nthreads;
     return 1;
 #endif
 }
 
-/* float32: x [M, K] rows x_stride apart; panels [P][K][32]; out [M, N] dense. Same threading. */
-int mmkit_f32_panel_gemm(float *out, const float *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
-                         const float *panels, const float *bias, int nthreads) {
-#ifdef MMKIT_P_BF16DP
-    const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL, panel_elems = K * MMKIT_PANEL;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > P) nthreads = (int)P;
-    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
-        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-            for (int64_t p = p0; p < p1; ++p)
-                panel_block_f32(out, N, x, x_stride, c0, c1, panels + p * panel_elems, K, bias, p * MMKIT_PANEL);
-        }
-    }
-    return 0;
-#else
-    (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)nthreads;
-    return 1;
-#endif
-}
-
-int mmkit_bf16_panel_gemm_available(void) {
+int mmkit_panel_gemm_available(void) {
 #ifdef MMKIT_P_BF16DP
     return 1;
 #else
