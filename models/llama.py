@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
-from mmkit.layers.quantized_linear import fuse_quantized
+from mmkit.layers.quantized_linear import QuantizedLinear, fuse_quantized
 from mmkit.layers import cpu_kernels, fused_f32, linear_panels
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
@@ -94,8 +94,12 @@ class Linear(nn.Linear):
 def pack_linears(module: nn.Module, release_weights: bool = False) -> int:
     """Pack every `Linear` under `module` (call after the final dtype/device cast)."""
     count = 0
+    # the activations' dtype (quantized linears pack for it): the embeddings' / norms' dtype
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     for m in module.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, QuantizedLinear):
+            count += m.pack(dtype)
+        elif isinstance(m, Linear):
             m.pack(release_weights)
             count += m._packed is not None
         elif isinstance(m, SparseMoeBlock):  # its experts pack themselves (models/moe.py)

@@ -143,6 +143,8 @@ _SIGNATURES = {
     "mmkit_dense_gemv_f32": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], None),
     "mmkit_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
     "mmkit_panel_gemm_available": ([], _INT),
+    "mmkit_quant_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR, _I64,
+                                _INT], _INT),
     "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT], None),
 }
 _OUT_OF_BOUNDS = 2  # status of the bounds-checking build (MMKIT_KERNEL_CHECKS=1)

@@ -22,12 +22,13 @@ cast float32 scales or float8 weights to the engine dtype.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmkit.layers import cpu_kernels
+from mmkit.layers import cpu_kernels, quant_panels
 from mmkit.layers.quant_pack import QuantizedWeight, concat_rows
 
 KERNEL_MAX_ROWS = 16  # float32: above this, a float GEMM on the dequantized weight is faster
@@ -109,25 +110,56 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.qweight = qweight
+        self._qweight: QuantizedWeight | None = qweight
+        self.panels: quant_panels.QuantPanels | None = None  # the only copy once packed
+        self._run_panels = None
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The row-major integers (rebuilt from the panels when packed: tests, odd calls)."""
+        return self._qweight if self._qweight is not None else quant_panels.unpack(self.panels)
+
+    @qweight.setter
+    def qweight(self, value: QuantizedWeight) -> None:
+        self._qweight, self.panels, self._run_panels = value, None, None
+
+    @torch.no_grad()
+    def pack(self, dtype: torch.dtype) -> bool:
+        """For a model whose activations are `dtype`: move the integers into the quantized
+        panels (csrc/quant_panels_cpu.c) where that kernel runs (bf16, AVX512-BF16), dropping
+        the row-major copy. Returns whether it packed. MMKIT_QUANT_PANELS=0 keeps the row-major
+        kernels (A/B)."""
+        w = self._qweight
+        if (w is None or os.environ.get("MMKIT_QUANT_PANELS", "1") == "0" or not quant_panels.can_pack(w, dtype)
+                or (self.bias is not None and self.bias.dtype != dtype)):
+            return self.panels is not None
+        self.panels = quant_panels.pack(w)
+        self._run_panels = quant_panels.bind(self.panels, self.bias)
+        self._qweight = None
+        return True
+
     def weight_nbytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.qweight.nbytes() + bias
+        return (self.panels.nbytes() if self.panels is not None else self._qweight.nbytes()) + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = self._run_panels
+        if run is not None and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu and x.stride(1) == 1:
+            return run(x)
         flat = x.reshape(-1, self.in_features)
-        out, rows = None, flat.shape[0]
-        if flat.dtype == torch.bfloat16 and GEMV_MAX_ROWS_BF16[self.qweight.bits] < rows <= TILED_MAX_ROWS:
-            out = quant_gemm_tiled(flat, self.qweight)
+        if run is not None and flat.dtype is torch.bfloat16 and flat.is_cpu:
+            return run(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
+        out, rows, qw = None, flat.shape[0], self.qweight
+        if flat.dtype == torch.bfloat16 and GEMV_MAX_ROWS_BF16[qw.bits] < rows <= TILED_MAX_ROWS:
+            out = quant_gemm_tiled(flat, qw)
         elif rows <= KERNEL_MAX_ROWS:
-            out = quant_gemm(flat, self.qweight)
+            out = quant_gemm(flat, qw)
         if out is not None and self.bias is not None:
             out += self.bias
         if out is None:
-            out = F.linear(flat, dequantize(self.qweight, flat.dtype).to(flat.device), self.bias)
+            out = F.linear(flat, dequantize(qw, flat.dtype).to(flat.device), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -152,6 +152,11 @@ def test_online_quantizes_checkpoint_tensors_as_they_stream(bases, monkeypatch):
     expected = quantize_int8(state[key])
     assert torch.equal(layer.mlp.down_proj.qweight.qweight, expected.qweight)
     assert torch.equal(layer.mlp.down_proj.qweight.scales, expected.scales)
+    from mmkit.layers import linear_panels
+    if linear_panels.available():  # a bf16 engine holds the integers in the quantized panels only
+        assert layer.mlp.down_proj.panels is not None and layer.mlp.down_proj._qweight is None
+        out = llm.generate(["a photo of"], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert len(out.outputs[0].token_ids) == 4
 
 
 def test_online_formulas():

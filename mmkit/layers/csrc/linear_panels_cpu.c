@@ -100,6 +100,14 @@ MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x,
     default: FN(o, N, xm, xs, 1, __VA_ARGS__); break;      \
     }
 
+/* Up to MMKIT_MR rows of bf16 x against one bf16 panel (K columns, even), writing
+ * out[r * N + c] for c < ncols; bias (already offset to the panel's first column) or NULL.
+ * Not static: the quantized panels (csrc/quant_panels_cpu.c) run it on a panel they decoded. */
+void mmkit_panel_rows_bf16(uint16_t *o, int64_t N, const uint16_t *xm, int64_t xs, int R,
+                           const uint16_t *panel, int64_t K, const uint16_t *b, int64_t ncols) {
+    MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols)
+}
+
 /* Rows [m0, m1) of x against panel p (output columns n0 = 32 p ..), MMKIT_MR rows at a time
  * (R a compile-time constant in each case, so the accumulators stay in registers). */
 static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t m0, int64_t m1,
@@ -108,11 +116,9 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
     for (int64_t m = m0; m < m1; m += MMKIT_MR) {
         const int64_t R = m1 - m < MMKIT_MR ? m1 - m : MMKIT_MR;
         if (dtype == 1) {
-            const uint16_t *panel = (const uint16_t *)panels + p * K * MMKIT_PANEL;
-            const uint16_t *b = bias ? (const uint16_t *)bias + n0 : NULL;
-            uint16_t *o = (uint16_t *)out + m * N + n0;
-            const uint16_t *xm = (const uint16_t *)x + m * xs;
-            MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols)
+            mmkit_panel_rows_bf16((uint16_t *)out + m * N + n0, N, (const uint16_t *)x + m * xs, xs, (int)R,
+                                  (const uint16_t *)panels + p * K * MMKIT_PANEL, K,
+                                  bias ? (const uint16_t *)bias + n0 : NULL, ncols);
         } else {
             const float *panel = (const float *)panels + p * K * MMKIT_PANEL;
             const float *b = bias ? (const float *)bias + n0 : NULL;
