@@ -46,6 +46,8 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _run_panels = None  # linear_panels.bind(...) when `_packed` holds panels (else oneDNN's layout)
+    _onednn: torch.Tensor | None = None  # oneDNN's packed copy beside the panels (AMX CPUs)
+    _panel_max_rows: int | None = None  # rows above which `_onednn` runs
 
     @property
     def _panels(self) -> bool:
@@ -56,10 +58,15 @@ class Linear(nn.Linear):
         """`release_weight`: drop the row-major weight once packed (the packed copy is the
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
-        self._run_panels = None
+        self._run_panels, self._onednn, self._panel_max_rows = None, None, None
         if os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight):
             self._packed = linear_panels.pack(self.weight.detach())
             self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
+            if self.weight.dtype == torch.bfloat16 and linear_panels.BF16_MAX_ROWS is not None \
+                    and can_pack_for_onednn(self.weight):
+                # AMX: oneDNN's tiles are far faster above a few rows (linear_panels.BF16_MAX_ROWS)
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+                self._panel_max_rows = linear_panels.BF16_MAX_ROWS
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) \
                 if can_pack_for_onednn(self.weight) else None
@@ -69,6 +76,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, run = self._packed, self._run_panels
         if run is not None:
+            onednn = self._onednn
+            if onednn is not None and x.dim() == 2 and x.shape[0] > self._panel_max_rows \
+                    and x.dtype is torch.bfloat16:
+                return torch.ops.mkldnn._linear_pointwise(x, onednn, self.bias, "none", [None], "")
             if x.dtype is packed.dtype and x.dim() == 2 and x.is_cpu and x.shape[1] == self.in_features \
                     and x.stride(1) == 1:
                 return run(x)

@@ -214,9 +214,10 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
                     continue
                 seen.add(p.data_ptr())
                 own += p.numel() * p.element_size()
-            packed = getattr(module, "_packed", None)
-            if packed is not None:  # oneDNN's packed copy (the row-major one may be released)
-                own += packed.numel() * packed.element_size()
+            for name in ("_packed", "_onednn"):  # packed copies (the row-major one may be released)
+                packed = getattr(module, name, None)
+                if packed is not None:
+                    own += packed.numel() * packed.element_size()
         total += own
         if id(module) in decoder_modules and (isinstance(module, nn.Linear) or hasattr(module, "weight_nbytes")):
             decoder += own

@@ -25,6 +25,30 @@ PANEL = 32  # output rows per panel (two 16-float accumulators)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # mmkit_panel_gemm's `dtype`
 
 
+def _has_amx_bf16() -> bool:
+    """The CPU has AMX bf16 tiles (Linux: the `amx_bf16` cpuinfo flag)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def _bf16_max_rows() -> int | None:
+    value = os.environ.get("MMKIT_PANEL_MAX_ROWS")
+    if value:
+        return int(value)
+    # On a CPU with AMX, oneDNN's bf16 matmul runs on the tiles: measured on a 2-core Xeon with
+    # AMX (benchmarks/README.md, "Round 4d"), the panels take 0.63x oneDNN's time at 1 row and
+    # 0.67x at 2, but 1.17x at 4, 8.6x at 128 and 12x at 2048 rows. There a bf16 `Linear` keeps
+    # oneDNN's packed copy beside the panels and sends more than 2 rows to it.
+    return 2 if _has_amx_bf16() else None
+
+
+# bf16 rows up to which the panels run when oneDNN's matmul is faster above (None: every row).
+BF16_MAX_ROWS = _bf16_max_rows()
+
+
 def available() -> bool:
     if os.environ.get("MMKIT_LINEAR_PANELS", "1") == "0":
         return False

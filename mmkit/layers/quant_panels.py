@@ -24,8 +24,8 @@ from mmkit.layers.quant_pack import QuantizedWeight, from_int_values
 PANEL = 32
 # Rows up to which the kernel decodes the integers in registers (decode at small batch); above,
 # each panel is decoded once per call into bf16 and the bf16 panel GEMM runs on it (measured
-# crossover on the benchmark model's shapes, 2 threads: benchmarks/README.md, "Quantized panels").
-DIRECT_MAX_ROWS = 4
+# crossover on the benchmark model's shapes, 2 threads: equal at 8 rows; benchmarks/README.md, "Round 4d").
+DIRECT_MAX_ROWS = 8
 
 
 @dataclass

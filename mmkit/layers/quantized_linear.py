@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmkit.layers import cpu_kernels, quant_panels
+from mmkit.layers import cpu_kernels, linear_panels, quant_panels
 from mmkit.layers.quant_pack import QuantizedWeight, concat_rows
 
 KERNEL_MAX_ROWS = 16  # float32: above this, a float GEMM on the dequantized weight is faster
@@ -113,6 +113,7 @@ class QuantizedLinear(nn.Module):
         self._qweight: QuantizedWeight | None = qweight
         self.panels: quant_panels.QuantPanels | None = None  # the only copy once packed
         self._run_panels = None
+        self._panel_max_rows: int | None = None  # rows above which the row-major path runs (AMX)
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
@@ -123,7 +124,7 @@ class QuantizedLinear(nn.Module):
 
     @qweight.setter
     def qweight(self, value: QuantizedWeight) -> None:
-        self._qweight, self.panels, self._run_panels = value, None, None
+        self._qweight, self.panels, self._run_panels, self._panel_max_rows = value, None, None, None
 
     @torch.no_grad()
     def pack(self, dtype: torch.dtype) -> bool:
@@ -137,21 +138,31 @@ class QuantizedLinear(nn.Module):
             return self.panels is not None
         self.panels = quant_panels.pack(w)
         self._run_panels = quant_panels.bind(self.panels, self.bias)
-        self._qweight = None
+        # With AMX, oneDNN's bf16 tiles beat the panels' decoded path above a few rows
+        # (linear_panels.BF16_MAX_ROWS): keep the row-major integers for those calls
+        # (dequantized per call, then oneDNN), the panels for decode.
+        self._panel_max_rows = None if linear_panels.BF16_MAX_ROWS is None else quant_panels.DIRECT_MAX_ROWS
+        if self._panel_max_rows is None:
+            self._qweight = None
         return True
 
     def weight_nbytes(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return (self.panels.nbytes() if self.panels is not None else self._qweight.nbytes()) + bias
+        held = (self.panels.nbytes() if self.panels is not None else 0) + \
+            (self._qweight.nbytes() if self._qweight is not None else 0)  # both on AMX CPUs
+        return held + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         run = self._run_panels
-        if run is not None and x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_cpu and x.stride(1) == 1:
-            return run(x)
-        flat = x.reshape(-1, self.in_features)
-        if run is not None and flat.dtype is torch.bfloat16 and flat.is_cpu:
-            return run(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if run is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
+            if flat.dtype is torch.bfloat16 and flat.is_cpu and flat.stride(1) == 1:
+                return run(flat).reshape(*x.shape[:-1], self.out_features)
+            if flat.dtype is torch.bfloat16 and flat.is_cpu:
+                return run(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
         out, rows, qw = None, flat.shape[0], self.qweight
+        if run is not None and flat.dtype is torch.bfloat16:  # AMX, many rows: oneDNN on the dequantized weight
+            return F.linear(flat, dequantize(qw, flat.dtype), self.bias).reshape(*x.shape[:-1], self.out_features)
         if flat.dtype == torch.bfloat16 and GEMV_MAX_ROWS_BF16[qw.bits] < rows <= TILED_MAX_ROWS:
             out = quant_gemm_tiled(flat, qw)
         elif rows <= KERNEL_MAX_ROWS:

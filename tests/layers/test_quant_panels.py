@@ -104,3 +104,28 @@ def test_layer_packs_for_bf16_only(monkeypatch):
     monkeypatch.setenv("MMKIT_QUANT_PANELS", "0")
     off = QuantizedLinear(qw, None)
     assert not off.pack(torch.bfloat16) and off.panels is None
+
+
+@pytest.mark.parametrize("amx_rows", [None, 2])
+def test_amx_split_between_panels_and_onednn(monkeypatch, amx_rows):
+    """On a CPU with AMX (linear_panels.BF16_MAX_ROWS set) a bf16 Linear keeps oneDNN's packed
+    copy beside the panels and a QuantizedLinear its row-major integers, for calls with more rows;
+    elsewhere the panels are the only copy. Both routes give the reference result."""
+    from mmkit.models.llama import Linear
+
+    monkeypatch.setattr(linear_panels, "BF16_MAX_ROWS", amx_rows)
+    torch.manual_seed(3)
+    dense = Linear(128, 80, bias=True).bfloat16()
+    ref_w, ref_b = dense.weight.detach().float().clone(), dense.bias.detach().float().clone()
+    dense.pack(release_weight=True)
+    qw = _weights()["int4-g32"]
+    quant = QuantizedLinear(qw, torch.randn(80).bfloat16())
+    assert quant.pack(torch.bfloat16)
+    assert (dense._onednn is not None) == (amx_rows is not None)
+    assert (quant._qweight is not None) == (amx_rows is not None)
+    for rows in (1, 2, 3, 20):
+        x = torch.randn(rows, 128).bfloat16()
+        ref = F.linear(x.float(), ref_w, ref_b)
+        assert ((dense(x).float() - ref).abs().max() / ref.abs().max()) < 1e-2
+        qref = F.linear(x.float(), qw.dequantize(torch.bfloat16).float(), quant.bias.float())
+        assert ((quant(x).float() - qref).abs().max() / qref.abs().max()) < 1e-2
