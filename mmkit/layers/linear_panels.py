@@ -10,7 +10,9 @@ of it here), and at 128 rows it keeps up with oneDNN / MKL. Layouts (zero past N
 
 Only on CPUs with AVX512-BF16 (the build's AVX-512 path); elsewhere `available()` is False and
 `models/llama.py::Linear` keeps oneDNN's packed weight (bf16) or `F.linear` (float32).
-`MMKIT_LINEAR_PANELS=0` turns the panels off (A/B measurements).
+`MMKIT_LINEAR_PANELS=0` turns the panels off (A/B measurements). On CPUs with AMX, oneDNN's
+bf16 matmul runs on the tiles and wins above 2 rows, so there a bf16 `Linear` keeps oneDNN's
+packed copy as well and uses the panels only for decode's few rows (`BF16_MAX_ROWS`).
 """
 
 from __future__ import annotations
