@@ -17,6 +17,7 @@ from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import QuantizedLinear, fuse_quantized
 from mmkit.layers import cpu_kernels, fused_f32, linear_panels
+from mmkit.layers.decode_stack import DecodeStack
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
 from mmkit.models.moe import SparseMoeBlock
@@ -61,6 +62,7 @@ class Linear(nn.Linear):
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
         self._run_panels, self._onednn, self._panel_max_rows = None, None, None
+        linear_panels.bump_generation()
         if os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight):
             self._packed = linear_panels.pack(self.weight.detach())
             self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
@@ -262,6 +264,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = rotary or RotaryEmbedding(config, max_positions)
 
+    _stack: DecodeStack | None = None
+    _stack_generation = -1
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The C decode stack over this model's bound panels (built again after any re-pack),
+        or None where some layer is not the plain Llama block on panels."""
+        if self._stack_generation != linear_panels.generation():
+            self._stack = DecodeStack.build(self)
+            self._stack_generation = linear_panels.generation()
+        return self._stack
+
     def fuse_weights(self) -> None:
         """Concatenate q/k/v and gate/up weights (call once, after loading the checkpoint)."""
         for layer in self.layers:
@@ -276,6 +289,11 @@ class LlamaModel(nn.Module):
         # (DeepStack; zero rows for tokens without vision features).
         x, residual = inputs_embeds, None
         rope = self.rotary.for_positions(positions, x.dtype)  # shared by every layer
+        if deepstack is None and x.is_cpu:
+            stack = self.decode_stack()
+            out = stack.run(x, rope, kv_caches, meta) if stack is not None else None
+            if out is not None:  # the whole stack in one C call (mmkit/layers/decode_stack.py)
+                return out
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)
             if deepstack is not None and i < deepstack.shape[1]:

@@ -86,6 +86,19 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.permute(*order).reshape(p * PANEL, k)[:out_features].contiguous()
 
 
+# Bumped whenever a module (re)binds or drops its panels: the decode stack (decode_stack.py)
+# holds the bound pointers of every layer and rebuilds when this moves.
+_generation = [0]
+
+
+def generation() -> int:
+    return _generation[0]
+
+
+def bump_generation() -> None:
+    _generation[0] += 1
+
+
 def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     """`run(x) -> x @ w.T + bias` for x [M, K] of the panels' dtype on CPU with dense columns
     (the caller checks; rows may be strided), with the kernel, pointers and sizes looked up once:
@@ -93,6 +106,7 @@ def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     as a small projection's GEMV (~12 us with the lookups per call, ~4 us bound). The panels and
     the bias must stay alive and in place while `run` is used (the owning module keeps them)."""
     kernel = cpu_kernels.library().mmkit_panel_gemm
+    bump_generation()
     k, dtype, code, panels_ptr = in_features(panels), panels.dtype, _DTYPE_CODES[panels.dtype], panels.data_ptr()
     bias_ptr = bias.data_ptr() if bias is not None else None
     empty, threads = torch.empty, torch.get_num_threads

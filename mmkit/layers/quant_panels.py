@@ -95,6 +95,7 @@ def bind(p: QuantPanels, bias: torch.Tensor | None, direct_max_rows: int | None 
     `run` holds `p` and `bias`, so the pointers stay valid while it lives (tensors must not be
     resized in place)."""
     kernel = cpu_kernels.library().mmkit_quant_panel_gemm
+    linear_panels.bump_generation()
     k, n, bits, gs = p.in_features, p.out_features, p.bits, p.group_size
     q_ptr, s_ptr = p.q.data_ptr(), p.scales.data_ptr()
     z_ptr = p.zeros.data_ptr() if p.zeros is not None else None

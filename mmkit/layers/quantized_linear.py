@@ -125,6 +125,7 @@ class QuantizedLinear(nn.Module):
     @qweight.setter
     def qweight(self, value: QuantizedWeight) -> None:
         self._qweight, self.panels, self._run_panels, self._panel_max_rows = value, None, None, None
+        linear_panels.bump_generation()
 
     @torch.no_grad()
     def pack(self, dtype: torch.dtype) -> bool:

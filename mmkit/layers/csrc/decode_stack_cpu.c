@@ -1,0 +1,158 @@
+/* A whole Llama-block decoder stack for one decode step, in one call from Python.
+ *
+ * Why: at batch 1 every kernel of a decode step is small (a 576-wide RMSNorm is well under a
+ * microsecond of arithmetic), yet each one cost 7-16 us through ctypes and the torch tensors
+ * around it, about ten per layer: with 30 layers that was close to half of the step. This file
+ * runs the same kernels, in the same order, on the same data (so its output is bit-identical
+ * to the per-module path in models/llama.py), with the per-layer pointers gathered once into
+ * `MmkitLayer` records (mmkit/layers/decode_stack.py builds them).
+ *
+ * Per layer, exactly as LlamaDecoderLayer.forward:
+ *   h = rms_norm(x [+ residual])  (layer 0: h = rms_norm(embeds), residual = embeds)
+ *   qkv = h @ Wqkv^T (+ b); rotate q and k in place; write k, v into the paged cache
+ *   a = paged_decode_attention(q, cache) @ Wo^T (+ b)
+ *   h = rms_norm(a + residual), residual = a + residual (in a)
+ *   m = silu_mul(h @ Wgate_up^T) @ Wdown^T
+ * then out = rms_norm(m + residual) with the final norm's weight.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* The kernels this stack strings together (the other csrc files, one shared library). */
+void mmkit_rms_norm_bf16(uint16_t *out, uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                         int64_t num_tokens, int64_t hidden, float eps, int add_residual, int num_threads);
+void mmkit_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos, const float *signed_sin,
+                       int64_t num_tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim, int num_threads);
+void mmkit_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t num_tokens, int64_t inter,
+                         int num_threads);
+void mmkit_rms_norm_f32(float *out, float *x, const float *residual, const float *weight, int64_t num_tokens,
+                        int64_t hidden, float eps, int add_residual, int num_threads);
+void mmkit_rotary_f32(float *x, const int64_t *positions, const float *cos, const float *signed_sin,
+                      int64_t num_tokens, int64_t row_stride, int64_t num_heads, int64_t head_dim, int num_threads);
+void mmkit_silu_mul_f32(float *out, const float *gate_up, int64_t num_tokens, int64_t inter, int num_threads);
+int mmkit_write_kv(char *k_cache, char *v_cache, const char *k, const char *v, int64_t k_row_stride,
+                   int64_t v_row_stride, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                   int64_t num_slots, int64_t head_dim, int64_t elem_size);
+int mmkit_paged_decode_attention(void *out, const void *q, int64_t q_row_stride, const void *k_cache,
+                                 const void *v_cache, const int64_t *block_ids, int64_t max_blocks,
+                                 const int64_t *context_lens, const int64_t *context_starts, int64_t num_seqs,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                                 int64_t block_size, float scale, int dtype, int num_threads);
+int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                     const void *panels, const void *bias, int dtype, int nthreads);
+int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                           const uint8_t *q, int bits, const float *scales, const void *zeros, int64_t group_size,
+                           const uint16_t *bias, int64_t direct_max_rows, int nthreads);
+
+enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
+
+/* One projection: dense panels (bits == 0, the step's dtype) or quantized panels (bits 4/8, bf16). */
+typedef struct {
+    const void *weights; /* dense: the panels; quantized: the integers */
+    const void *bias;    /* [n] in the step's dtype, or NULL */
+    const float *scales;
+    const void *zeros;
+    int64_t n, k, group_size;
+    int64_t bits;
+} MmkitLinear;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    void *k_cache, *v_cache;            /* [kv_heads, num_blocks, block_size, head_dim] */
+    MmkitLinear qkv, o, gate_up, down;
+} MmkitLayer;
+
+typedef struct {
+    int64_t num_tokens, hidden, inter, num_heads, num_kv_heads, head_dim;
+    int64_t num_blocks, block_size, max_blocks, quant_direct_max_rows;
+    const int64_t *positions, *slot_mapping, *block_ids, *context_lens, *context_starts;
+    const float *cos, *signed_sin;
+    float eps, scale;
+    int dtype, num_threads;
+} MmkitStep;
+
+/* Status codes of mmkit_decode_stack. */
+enum { STACK_OK = 0, STACK_NO_KERNEL = 1, STACK_OUT_OF_RANGE = 2, STACK_NO_MEMORY = 3 };
+
+static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitStep *s) {
+    if (w->bits == 0)
+        return mmkit_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype,
+                                s->num_threads);
+    const int st = mmkit_quant_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, (int)w->bits,
+                                          w->scales, w->zeros, w->group_size, w->bias, s->quant_direct_max_rows,
+                                          s->num_threads);
+    return st == 2 ? STACK_NO_MEMORY : st; /* 1: no AVX512-BF16 path, as the dense panels */
+}
+
+static void rms_norm(const MmkitStep *s, void *out, void *x, const void *residual, const void *weight, int add) {
+    if (s->dtype == MMKIT_BF16)
+        mmkit_rms_norm_bf16(out, x, residual, weight, s->num_tokens, s->hidden, s->eps, add, s->num_threads);
+    else
+        mmkit_rms_norm_f32(out, x, residual, weight, s->num_tokens, s->hidden, s->eps, add, s->num_threads);
+}
+
+/* embeds: [T, hidden] (only read); out: [T, hidden], the final norm's output; work: scratch of
+ * mmkit_decode_stack_work_bytes(). Returns STACK_OK, or with the layer in *failed_layer:
+ * STACK_NO_KERNEL (this build lacks the AVX512-BF16 panels), STACK_OUT_OF_RANGE (a slot, block
+ * id or length out of range: bounds-checking build), STACK_NO_MEMORY (a kernel's scratch). */
+int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void *final_norm, const void *embeds,
+                       void *out, void *work, const MmkitStep *s, int64_t *failed_layer) {
+    const int64_t T = s->num_tokens, H = s->hidden, nh = s->num_heads, nkv = s->num_kv_heads, hd = s->head_dim;
+    const int64_t es = s->dtype == MMKIT_BF16 ? 2 : 4, qkv_w = (nh + 2 * nkv) * hd;
+    char *w = (char *)work;
+    char *bufs[2] = {w, w + T * H * es}; /* the two residual-stream buffers, used in turn */
+    char *h = w + 2 * T * H * es;
+    char *qkv = h + T * H * es;
+    char *attn = qkv + T * qkv_w * es;
+    char *gate_up = attn + T * nh * hd * es;
+    char *act = gate_up + T * 2 * s->inter * es;
+    const void *residual = embeds;
+    int turn = 0, st;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const MmkitLayer *L = &layers[l];
+        *failed_layer = l;
+        if (l == 0) rms_norm(s, h, (void *)embeds, embeds, L->input_norm, 0);
+        else {
+            /* x (the previous MLP output, in bufs[turn]) += residual; h = norm(x) */
+            rms_norm(s, h, bufs[turn], residual, L->input_norm, 1);
+            residual = bufs[turn];
+            turn ^= 1;
+        }
+        if ((st = linear(qkv, h, &L->qkv, s)) != 0) return st;
+        if (s->dtype == MMKIT_BF16)
+            mmkit_rotary_bf16((uint16_t *)qkv, s->positions, s->cos, s->signed_sin, T, qkv_w, nh + nkv, hd,
+                              s->num_threads);
+        else
+            mmkit_rotary_f32((float *)qkv, s->positions, s->cos, s->signed_sin, T, qkv_w, nh + nkv, hd,
+                             s->num_threads);
+        if ((st = mmkit_write_kv(L->k_cache, L->v_cache, qkv + nh * hd * es, qkv + (nh + nkv) * hd * es, qkv_w,
+                                 qkv_w, s->slot_mapping, T, nkv, s->num_blocks * s->block_size, hd, es)) != 0)
+            return STACK_OUT_OF_RANGE;
+        if ((st = mmkit_paged_decode_attention(attn, qkv, qkv_w, L->k_cache, L->v_cache, s->block_ids,
+                                               s->max_blocks, s->context_lens, s->context_starts, T, nh, nkv, hd,
+                                               s->num_blocks, s->block_size, s->scale, s->dtype,
+                                               s->num_threads)) != 0)
+            return st == 2 ? STACK_OUT_OF_RANGE : STACK_NO_MEMORY;
+        char *a = bufs[turn];
+        if ((st = linear(a, attn, &L->o, s)) != 0) return st;
+        rms_norm(s, h, a, residual, L->post_norm, 1); /* a becomes the residual stream */
+        residual = a;
+        turn ^= 1;
+        if ((st = linear(gate_up, h, &L->gate_up, s)) != 0) return st;
+        if (s->dtype == MMKIT_BF16) mmkit_silu_mul_bf16((uint16_t *)act, gate_up, T, s->inter, s->num_threads);
+        else mmkit_silu_mul_f32((float *)act, (const float *)gate_up, T, s->inter, s->num_threads);
+        if ((st = linear(bufs[turn], act, &L->down, s)) != 0) return st;
+    }
+    *failed_layer = -1;
+    if (num_layers == 0) rms_norm(s, out, (void *)embeds, embeds, final_norm, 0);
+    else rms_norm(s, out, bufs[turn], residual, final_norm, 1);
+    return STACK_OK;
+}
+
+/* Scratch bytes mmkit_decode_stack needs for a step of `num_tokens` rows. */
+int64_t mmkit_decode_stack_work_bytes(int64_t num_tokens, int64_t hidden, int64_t inter, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t head_dim, int dtype) {
+    const int64_t es = dtype == MMKIT_BF16 ? 2 : 4;
+    return num_tokens * es * (3 * hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim +
+                              3 * inter);
+}

@@ -1,0 +1,199 @@
+"""The whole decoder stack of a decode step in one C call (`csrc/decode_stack_cpu.c`).
+
+At batch 1 the per-module path pays 7-16 us of ctypes and tensor handling around each of about
+ten small kernels per layer, close to half of the step on the 30-layer benchmark model. The C
+stack runs the same kernels in the same order on the same data, so its output is bit-identical
+to the per-module path; it only takes the step when every part of every layer is one of those
+kernels:
+
+- the plain Llama block (`LlamaDecoderLayer` with `LlamaAttention`, a fused SiLU `LlamaMLP`,
+  `RMSNorm`s): LLaVA's, LLaVA-NeXT's, Idefics3's / SmolVLM's, Mistral 3's, InternVL's and
+  Qwen2-VL's decoders (M-RoPE included: its per-token tables are indexed like the 1-D ones);
+- every projection on mmkit's panels (`Linear` bound to `linear_panels`, or `QuantizedLinear`
+  bound to `quant_panels`, AVX512-BF16 CPUs), for this many rows;
+- a decode-only step (no prefill chunk), one attention view for every layer (no sliding layer
+  whose window cuts a context), no DeepStack features, bf16 or float32 on CPU.
+
+Anything else returns None and the modules run as before. `MMKIT_DECODE_STACK=0` turns it off
+(A/B measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from mmkit.layers import cpu_kernels, fused_f32
+from mmkit.layers.attention import AttentionMetadata, _decode_view
+from mmkit.layers.norms import RMSNorm
+from mmkit.layers.quantized_linear import QuantizedLinear
+from mmkit.layers.rotary import StepRope
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weights", _PTR), ("bias", _PTR), ("scales", _PTR), ("zeros", _PTR),
+                ("n", _I64), ("k", _I64), ("group_size", _I64), ("bits", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("k_cache", _PTR), ("v_cache", _PTR),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _I64), ("hidden", _I64), ("inter", _I64), ("num_heads", _I64),
+                ("num_kv_heads", _I64), ("head_dim", _I64), ("num_blocks", _I64), ("block_size", _I64),
+                ("max_blocks", _I64), ("quant_direct_max_rows", _I64),
+                ("positions", _PTR), ("slot_mapping", _PTR), ("block_ids", _PTR), ("context_lens", _PTR),
+                ("context_starts", _PTR), ("cos", _PTR), ("signed_sin", _PTR),
+                ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT)]
+
+
+def enabled() -> bool:
+    return os.environ.get("MMKIT_DECODE_STACK", "1") != "0"
+
+
+def _linear_record(mod: torch.nn.Module, dtype: torch.dtype) -> tuple[_Linear, int | None, tuple] | None:
+    """(record, rows above which the module leaves the panels or None, tensors to keep alive)."""
+    from mmkit.models.llama import Linear  # noqa: PLC0415 - models/ imports mmkit.layers, not the reverse
+    bias = getattr(mod, "bias", None)
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    if type(mod) is Linear:
+        if mod._run_panels is None or mod._packed.dtype != dtype:
+            return None
+        rec = _Linear(mod._packed.data_ptr(), bias_ptr, None, None, mod.out_features, mod.in_features, 0, 0)
+        return rec, (mod._panel_max_rows if mod._onednn is not None else None), (mod._packed, bias)
+    if type(mod) is QuantizedLinear:
+        p = mod.panels
+        if mod._run_panels is None or p is None or dtype != torch.bfloat16:
+            return None
+        rec = _Linear(p.q.data_ptr(), bias_ptr, p.scales.data_ptr(), p.zeros.data_ptr() if p.zeros is not None else None,
+                      p.out_features, p.in_features, p.group_size, p.bits)
+        return rec, mod._panel_max_rows, (p, bias)
+    return None
+
+
+class DecodeStack:
+    """The C records of one `LlamaModel`'s layers; `run` takes a decode step or returns None."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], keep: list, max_rows: int | None,
+                 dtype: torch.dtype) -> None:
+        self.model, self.dtype, self.max_rows = model, dtype, max_rows
+        self.layers = (_Layer * len(layers))(*layers)
+        self._keep = keep  # every tensor whose pointer the records hold
+        self._cache_ptrs: tuple[int, ...] = ()
+        first = model.layers[0] if len(model.layers) else None
+        attn = first.self_attn if first is not None else None
+        self.num_heads = attn.num_heads if attn else 0
+        self.num_kv_heads = attn.num_kv_heads if attn else 0
+        self.head_dim = attn.head_dim if attn else 0
+        self.scale = attn.scale if attn else 1.0
+        self.inter = first.mlp.intermediate_size if first is not None else 0
+        self.windows = {layer.self_attn.sliding_window for layer in model.layers}
+        lib = cpu_kernels.library()
+        self._run, self._work_bytes = lib.mmkit_decode_stack, lib.mmkit_decode_stack_work_bytes
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> "DecodeStack | None":
+        """None unless every layer of `model` (a `LlamaModel`) is the plain Llama block on panels."""
+        from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # noqa: PLC0415
+        dtype = model.norm.weight.dtype
+        if (not enabled() or cpu_kernels.library() is None or dtype not in _DTYPES or not model.norm.weight.is_cpu
+                or (dtype is torch.float32 and not fused_f32.enabled()) or type(model.norm) is not RMSNorm):
+            return None
+        layers, keep, max_rows = [], [], None
+        eps = model.norm.eps
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+                    or not mlp.is_silu or attn.qkv_proj is None or mlp.gate_up_proj is None
+                    or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
+                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
+                return None
+            recs = []
+            for mod in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                got = _linear_record(mod, dtype)
+                if got is None:
+                    return None
+                rec, rows, alive = got
+                recs.append(rec)
+                keep.append(alive)
+                if rows is not None:
+                    max_rows = rows if max_rows is None else min(max_rows, rows)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+                return None
+            keep.append(norms)
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), None, None, *recs))
+        if not model.norm.weight.is_contiguous():
+            return None
+        return cls(model, layers, keep, max_rows, dtype)
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if ptrs != self._cache_ptrs:
+            if len(kv_caches) != len(self.layers) or any(
+                    t.dtype != self.dtype or not t.is_contiguous() or t.shape != kv_caches[0][0].shape
+                    for kv in kv_caches for t in kv):
+                return False
+            for rec, (k, v) in zip(self.layers, kv_caches):
+                rec.k_cache, rec.v_cache = k.data_ptr(), v.data_ptr()
+            self._cache_ptrs = ptrs
+        return True
+
+    def run(self, embeds: torch.Tensor, rope: StepRope, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final norm's output [num_tokens, hidden] for a decode-only step, else None."""
+        tokens = embeds.shape[0]
+        if (meta.prefills or meta.num_decode_tokens != tokens or tokens == 0 or embeds.dtype is not self.dtype
+                or embeds.dim() != 2 or not embeds.is_cpu or not embeds.is_contiguous()
+                or (self.max_rows is not None and tokens > self.max_rows)
+                or type(rope) is not StepRope or not rope.use_kernel):
+            return None
+        views = {id(v): v for v in (_decode_view(meta, w) for w in self.windows)}
+        if len(views) != 1 or not self._bind_caches(kv_caches):
+            return None
+        view = next(iter(views.values()))
+        tables = rope.rotary
+        positions, slots = rope.positions.contiguous(), meta.slot_mapping.contiguous()
+        block_ids, lens = view.block_ids.contiguous(), view.context_lens.contiguous()
+        starts = view.context_starts.contiguous() if view.context_starts is not None else None
+        if positions.dtype != torch.long or tables.cos.dtype != torch.float32 or not tables.cos.is_contiguous() \
+                or not tables.signed_sin.is_contiguous():
+            return None
+        kv_heads, num_blocks, block_size, _ = kv_caches[0][0].shape
+        code = _DTYPES[self.dtype]
+        hidden = embeds.shape[1]
+        work = torch.empty(self._work_bytes(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads,
+                                            self.head_dim, code), dtype=torch.uint8)
+        out = torch.empty_like(embeds)
+        step = _Step(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads, self.head_dim, num_blocks,
+                     block_size, view.max_blocks, _quant_direct_rows(), positions.data_ptr(), slots.data_ptr(),
+                     block_ids.data_ptr(), lens.data_ptr(), starts.data_ptr() if starts is not None else None,
+                     tables.cos.data_ptr(), tables.signed_sin.data_ptr(), self.model.norm.eps, self.scale, code,
+                     torch.get_num_threads())
+        failed = _I64(-1)
+        status = self._run(self.layers, len(self.layers), self.model.norm.weight.data_ptr(), embeds.data_ptr(),
+                           out.data_ptr(), work.data_ptr(), ctypes.byref(step), ctypes.byref(failed))
+        if status == 1:  # the panels were bound, so the build has them: cannot happen, but say so
+            raise RuntimeError("mmkit: decode stack: the panel kernels are missing from this build")
+        if status == 2:
+            raise IndexError(f"mmkit: decode stack, layer {failed.value}: a block id, slot or context length "
+                             "is out of range")
+        if status == 3:
+            raise MemoryError(f"mmkit: decode stack, layer {failed.value}: a kernel could not allocate its scratch "
+                              "memory")
+        return out
+
+
+def _quant_direct_rows() -> int:
+    from mmkit.layers import quant_panels  # noqa: PLC0415
+    return quant_panels.DIRECT_MAX_ROWS
+
