@@ -89,13 +89,10 @@ class DecodeStack:
         self.layers = (_Layer * len(layers))(*layers)
         self._keep = keep  # every tensor whose pointer the records hold
         self._cache_ptrs: tuple[int, ...] = ()
-        first = model.layers[0] if len(model.layers) else None
-        attn = first.self_attn if first is not None else None
-        self.num_heads = attn.num_heads if attn else 0
-        self.num_kv_heads = attn.num_kv_heads if attn else 0
-        self.head_dim = attn.head_dim if attn else 0
-        self.scale = attn.scale if attn else 1.0
-        self.inter = first.mlp.intermediate_size if first is not None else 0
+        first = model.layers[0]  # build() refuses a stack without layers
+        attn = first.self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale, self.inter = attn.scale, first.mlp.intermediate_size
         self.windows = {layer.self_attn.sliding_window for layer in model.layers}
         lib = cpu_kernels.library()
         self._run, self._work_bytes = lib.mmkit_decode_stack, lib.mmkit_decode_stack_work_bytes
@@ -105,7 +102,7 @@ class DecodeStack:
         """None unless every layer of `model` (a `LlamaModel`) is the plain Llama block on panels."""
         from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # noqa: PLC0415
         dtype = model.norm.weight.dtype
-        if (not enabled() or cpu_kernels.library() is None or dtype not in _DTYPES or not model.norm.weight.is_cpu
+        if (not enabled() or not len(model.layers) or cpu_kernels.library() is None or dtype not in _DTYPES or not model.norm.weight.is_cpu
                 or (dtype is torch.float32 and not fused_f32.enabled()) or type(model.norm) is not RMSNorm):
             return None
         layers, keep, max_rows = [], [], None
@@ -115,8 +112,12 @@ class DecodeStack:
             if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
                     or not mlp.is_silu or attn.qkv_proj is None or mlp.gate_up_proj is None
                     or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
-                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
-                return None
+                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps
+                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, mlp.intermediate_size) != (
+                        model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_kv_heads,
+                        model.layers[0].self_attn.head_dim, model.layers[0].self_attn.scale,
+                        model.layers[0].mlp.intermediate_size)):
+                return None  # one set of sizes for every layer (the C records carry none)
             recs = []
             for mod in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 got = _linear_record(mod, dtype)
