@@ -25,13 +25,13 @@ import os
 
 import torch
 
-from mmkit.layers import cpu_kernels, fused_f32
+from mmkit.layers import cpu_kernels, fused_f32, quant_panels
 from mmkit.layers.attention import AttentionMetadata, _decode_view
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import QuantizedLinear
 from mmkit.layers.rotary import StepRope
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_kernels._DTYPES  # the kernels' dtype codes
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -169,14 +169,14 @@ class DecodeStack:
         if positions.dtype != torch.long or tables.cos.dtype != torch.float32 or not tables.cos.is_contiguous() \
                 or not tables.signed_sin.is_contiguous():
             return None
-        kv_heads, num_blocks, block_size, _ = kv_caches[0][0].shape
+        _, num_blocks, block_size, _ = kv_caches[0][0].shape
         code = _DTYPES[self.dtype]
         hidden = embeds.shape[1]
         work = torch.empty(self._work_bytes(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads,
                                             self.head_dim, code), dtype=torch.uint8)
         out = torch.empty_like(embeds)
         step = _Step(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads, self.head_dim, num_blocks,
-                     block_size, view.max_blocks, _quant_direct_rows(), positions.data_ptr(), slots.data_ptr(),
+                     block_size, view.max_blocks, quant_panels.DIRECT_MAX_ROWS, positions.data_ptr(), slots.data_ptr(),
                      block_ids.data_ptr(), lens.data_ptr(), starts.data_ptr() if starts is not None else None,
                      tables.cos.data_ptr(), tables.signed_sin.data_ptr(), self.model.norm.eps, self.scale, code,
                      torch.get_num_threads())
@@ -192,9 +192,4 @@ class DecodeStack:
             raise MemoryError(f"mmkit: decode stack, layer {failed.value}: a kernel could not allocate its scratch "
                               "memory")
         return out
-
-
-def _quant_direct_rows() -> int:
-    from mmkit.layers import quant_panels  # noqa: PLC0415
-    return quant_panels.DIRECT_MAX_ROWS
 

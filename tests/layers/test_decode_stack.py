@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmkit import LLM, SamplingParams
-from mmkit.layers import decode_stack, linear_panels
+from mmkit.layers import linear_panels
 from mmkit.layers.decode_stack import DecodeStack
 from mmkit.testing import build_tiny_checkpoint
 
@@ -91,30 +91,49 @@ def test_rebuilt_when_a_projection_is_rebound(ckpts, monkeypatch):
     assert rebuilt is not None and rebuilt is not stack
 
 
+def _recording(monkeypatch, steps: list):
+    """Record (step has a prefill, the stack took it) for every `DecodeStack.run` call."""
+    run = DecodeStack.run
+
+    def recorded(self, x, rope, kv, meta):
+        out = run(self, x, rope, kv, meta)
+        steps.append((bool(meta.prefills), out is not None))
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", recorded)
+
+
 def test_prefill_steps_take_the_modules(ckpts, monkeypatch):
     """A step holding a prefill chunk is not a decode-only step: `run` declines it."""
-    ids, _, taken, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="bfloat16")
+    _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="bfloat16")
     steps = []
-    run = DecodeStack.run
-    monkeypatch.setattr(DecodeStack, "run", lambda self, x, rope, kv, meta: steps.append(
-        (bool(meta.prefills), run(self, x, rope, kv, meta) is not None)) or run(self, x, rope, kv, meta))
+    _recording(monkeypatch, steps)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert (True, True) not in steps and (False, True) in steps and (True, False) in steps
 
 
 def test_sliding_window_that_cuts_a_context_falls_back(ckpts, monkeypatch):
     """A layer whose window cuts some context reads other blocks than a global layer: the
-    modules run that step (the outputs stay those of the per-module path)."""
+    modules run those steps, and the outputs are the per-module path's."""
     _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="bfloat16")
     decoder = _decoder(llm)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def run_once():
+        out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [{t: lp.logprob for t, lp in s.items()} for s in out.logprobs]
+
     decoder.layers[0].self_attn.sliding_window = 4
     linear_panels.bump_generation()  # the stack reads the windows when built
     try:
-        engine_ids = llm.generate([PROMPTS[1]],
-                                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        stack = decoder.decode_stack()
-        assert stack is not None and stack.windows == {4, None}
-        assert engine_ids[0].outputs[0].token_ids
+        steps = []
+        _recording(monkeypatch, steps)
+        got = run_once()
+        assert decoder.decode_stack().windows == {4, None}
+        assert steps and not any(taken for _, taken in steps)  # every decode context exceeds 4 tokens
+        monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
+        linear_panels.bump_generation()
+        assert run_once() == got
     finally:
         decoder.layers[0].self_attn.sliding_window = None
         linear_panels.bump_generation()
@@ -124,12 +143,4 @@ def test_disabled_by_env(ckpts, monkeypatch):
     _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="float32")
     monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
     assert DecodeStack.build(_decoder(llm)) is None
-    assert not decode_stack.enabled()
 
-
-def test_work_bytes_cover_every_buffer():
-    from mmkit.layers import cpu_kernels
-    lib = cpu_kernels.library()
-    # 3 hidden rows (two residual buffers and the norm output), qkv, attention output, gate_up and act
-    assert lib.mmkit_decode_stack_work_bytes(5, 64, 96, 4, 2, 16, 1) == 5 * 2 * (3 * 64 + 8 * 16 + 4 * 16 + 3 * 96)
-    assert lib.mmkit_decode_stack_work_bytes(1, 64, 96, 4, 2, 16, 0) == 4 * (3 * 64 + 8 * 16 + 4 * 16 + 3 * 96)
