@@ -7,6 +7,7 @@ hidden states are `[num_tokens, hidden_size]`, never padded.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,7 +26,21 @@ from mmkit.models.moe import SparseMoeBlock
 
 def can_pack_for_onednn(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0")
+            and os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and _onednn_bf16_packs())
+
+
+@functools.cache
+def _onednn_bf16_packs() -> bool:
+    """oneDNN packs bf16 linear weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT: on
+    an AVX2-only CPU (AMD Zen 2/3) the reorder raises, and bf16 then runs `F.linear` (or the
+    panels, which have an AVX2 path)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 # float32 rows up to which `Linear` runs the C GEMV instead of a matmul (MMKIT_GEMV_MAX_ROWS=0: never).

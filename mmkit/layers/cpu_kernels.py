@@ -143,6 +143,7 @@ _SIGNATURES = {
     "mmkit_dense_gemv_f32": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], None),
     "mmkit_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
     "mmkit_panel_gemm_available": ([], _INT),
+    "mmkit_quant_panel_gemm_available": ([], _INT),
     "mmkit_quant_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR, _I64,
                                 _INT], _INT),
     # the whole decoder stack of a decode step (csrc/decode_stack_cpu.c, wrapped in decode_stack.py)

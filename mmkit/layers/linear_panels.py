@@ -8,8 +8,9 @@ of it here), and at 128 rows it keeps up with oneDNN / MKL. Layouts (zero past N
     bf16:    panels[p, kp, c, e] = w[32 p + c, 2 kp + e]   ([P, K / 2, 32, 2]: VDPBF16PS pairs)
     float32: panels[p, k, c]     = w[32 p + c, k]           ([P, K, 32])
 
-Only on CPUs with AVX512-BF16 (the build's AVX-512 path); elsewhere `available()` is False and
-`models/llama.py::Linear` keeps oneDNN's packed weight (bf16) or `F.linear` (float32).
+On CPUs with AVX512-BF16 (VDPBF16PS) or with AVX2 and FMA (the pairs widened to float32 by a
+shift and a mask, exact); elsewhere `available()` is False and `models/llama.py::Linear` keeps
+oneDNN's packed weight (bf16) or `F.linear` (float32).
 `MMKIT_LINEAR_PANELS=0` turns the panels off (A/B measurements). On CPUs with AMX, oneDNN's
 bf16 matmul runs on the tiles and wins above 2 rows, so there a bf16 `Linear` keeps oneDNN's
 packed copy as well and uses the panels only for decode's few rows (`BF16_MAX_ROWS`).
@@ -114,8 +115,9 @@ def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     def run(x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         out = empty((m, out_features), dtype=dtype)
-        if m:
-            kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, code, threads())
+        if m and kernel(out.data_ptr(), x.data_ptr(), x.stride(0), m, k, out_features, panels_ptr, bias_ptr, code,
+                        threads()):
+            raise MemoryError("mmkit_panel_gemm could not allocate its buffer")
         return out
 
     return run

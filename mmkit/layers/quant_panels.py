@@ -47,7 +47,12 @@ def can_pack(w: QuantizedWeight, dtype: torch.dtype) -> bool:
     """bf16 activations on CPU, even K and group size (column pairs never straddle a group)."""
     return (dtype == torch.bfloat16 and w.qweight.device.type == "cpu" and w.bits in (8, 4)
             and w.in_features % 2 == 0 and w.group_size % 2 == 0 and w.in_features % w.group_size == 0
-            and linear_panels.available())
+            and available())
+
+
+def available() -> bool:
+    """The dense panels are on and this build has their quantized twin (AVX512-BF16 only)."""
+    return linear_panels.available() and bool(cpu_kernels.library().mmkit_quant_panel_gemm_available())
 
 
 def _by_panel(t: torch.Tensor, rows: int) -> torch.Tensor:

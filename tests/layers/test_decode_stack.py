@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mmkit import LLM, SamplingParams
-from mmkit.layers import linear_panels
+from mmkit.layers import linear_panels, quant_panels
 from mmkit.layers.decode_stack import DecodeStack
 from mmkit.testing import build_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not linear_panels.available(), reason="no AVX512-BF16 panel kernels in this build")
+pytestmark = pytest.mark.skipif(not linear_panels.available(), reason="no panel kernels (AVX512-BF16 or AVX2) in this build")
 
 ARCHS = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
          "qwen3_vl": "Qwen3VLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
@@ -54,8 +54,10 @@ def _generate(path, monkeypatch, stack: bool, **kw):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
-@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int8"),
-                                                ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None)] + [
+    pytest.param("bfloat16", q, marks=pytest.mark.skipif(not quant_panels.available(),
+                                                         reason="quantized panels need AVX512-BF16"))
+    for q in ("int8", "int4")])
 def test_stack_is_bit_identical_to_the_modules(ckpts, monkeypatch, family, dtype, quantization):
     kw = {"dtype": dtype, **({"quantization": quantization} if quantization else {})}
     ids, logprobs, taken, _ = _generate(ckpts[family], monkeypatch, True, **kw)

@@ -12,7 +12,7 @@ from mmkit.layers import linear_panels, quant_panels
 from mmkit.layers.quant_pack import from_int_values, quantize_int4, quantize_int8
 from mmkit.layers.quantized_linear import QuantizedLinear
 
-pytestmark = pytest.mark.skipif(not linear_panels.available(), reason="no AVX512-BF16 panel kernels in this build")
+pytestmark = pytest.mark.skipif(not quant_panels.available(), reason="no AVX512-BF16 quantized panel kernels in this build")
 
 
 def _weights(n=80, k=128):

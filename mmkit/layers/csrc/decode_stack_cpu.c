@@ -75,13 +75,11 @@ typedef struct {
 enum { STACK_OK = 0, STACK_NO_KERNEL = 1, STACK_OUT_OF_RANGE = 2, STACK_NO_MEMORY = 3 };
 
 static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitStep *s) {
-    if (w->bits == 0)
-        return mmkit_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype,
-                                s->num_threads);
-    const int st = mmkit_quant_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, (int)w->bits,
-                                          w->scales, w->zeros, w->group_size, w->bias, s->quant_direct_max_rows,
-                                          s->num_threads);
-    return st == 2 ? STACK_NO_MEMORY : st; /* 1: no AVX512-BF16 path, as the dense panels */
+    const int st = w->bits == 0
+        ? mmkit_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype, s->num_threads)
+        : mmkit_quant_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, (int)w->bits, w->scales,
+                                 w->zeros, w->group_size, w->bias, s->quant_direct_max_rows, s->num_threads);
+    return st == 2 ? STACK_NO_MEMORY : st; /* 1: no kernel for this CPU; 2: an allocation failed */
 }
 
 static void rms_norm(const MmkitStep *s, void *out, void *x, const void *residual, const void *weight, int add) {

@@ -15,14 +15,22 @@
  * Products are summed in float32 (VDPBF16PS), the bias added in float32, one rounding to bf16,
  * as oneDNN's bf16 matmul does; only the order of the float32 sums differs from it.
  * float32 uses the same panels without the pairing (panels[p][k][c]) and FMA.
- * Built only where the CPU has AVX512-BF16; elsewhere mmkit keeps oneDNN / F.linear
+ * CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake) run the
+ * same panels with 8-float FMAs: a 32-bit pair of bf16 weights becomes its two float32s by one
+ * shift (even column) and one mask (odd column), exact, and each column's sum runs over k in
+ * the same order (even, then odd, of each pair) for every batch size, so a row's result does
+ * not depend on which other rows share its step. Without either, mmkit keeps oneDNN / F.linear
  * (layers/linear_panels.py). */
 #include <stdint.h>
 #include <omp.h>
+#include <stdlib.h>
 #include "bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MMKIT_P_BF16DP 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MMKIT_P_AVX2 1
 #endif
 
 #define MMKIT_PANEL 32
@@ -130,13 +138,207 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
 }
 #endif
 
+#ifdef MMKIT_P_AVX2
+/* AVX2 + FMA. 16 ymm registers hold at most 8 accumulators of 8 floats beside the weights and
+ * a broadcast, so a block is 1 row x the whole panel (batch 1: one sequential stream of the
+ * panel, prefetched) or up to MMKIT_A2_MR rows x half the panel (16 columns; the panel is read
+ * twice from L2 per block). bf16 rows of x are first widened to float32 (MMKIT_A2_XBUF bytes
+ * at a time, shared by every panel): widening each pair inside the loop cost more than the
+ * FMAs it fed. Sums and the one rounding to bf16 are as in the AVX512-BF16 path. */
+#define MMKIT_A2_MR 6 /* float32 rows per block (6 x 2 accumulators); bf16 takes 4 */
+#define MMKIT_A2_MR_BF16 4
+#define MMKIT_A2_XBUF (192 * 1024)
+
+/* R rows of float32 x (rows xs apart) against columns [8 c0, 8 (c0 + NC)) of one panel
+ * (bf16 pairs when BF16, else float32); the R x 8 NC sums go to v. NC is 4 only with R = 1. */
+MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, const int R,
+                          const int NC, const int c0, const void *panel, int64_t K, const int BF16) {
+    __m256 acc[MMKIT_A2_MR][4];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NC; ++j) acc[r][j] = _mm256_setzero_ps();
+    if (BF16 && NC == 2) {
+        /* Named accumulators: with an array here gcc 12 stored every accumulator to the stack
+         * after each FMA (the float32 loop below does not need this). */
+        const uint16_t *pw = (const uint16_t *)panel + 16 * c0;
+        const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+               a31 = a00;
+        for (int64_t kp = 0; kp < K / 2; ++kp) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pw + kp * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pw + kp * 64 + 16));
+            /* a pair holds column k (low half) and k + 1 (high half): widening is exact */
+            const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+            const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+            const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+            const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+#define MMKIT_A2_ROW(r, A0, A1)                                                          \
+            if (R > r) {                                                                 \
+                const __m256 xe = _mm256_broadcast_ss(x + r * xs + 2 * kp);              \
+                const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * kp + 1);          \
+                A0 = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, A0));               \
+                A1 = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, A1));               \
+            }
+            MMKIT_A2_ROW(0, a00, a01) MMKIT_A2_ROW(1, a10, a11) MMKIT_A2_ROW(2, a20, a21) MMKIT_A2_ROW(3, a30, a31)
+#undef MMKIT_A2_ROW
+        }
+        acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11;
+        acc[2][0] = a20; acc[2][1] = a21; acc[3][0] = a30; acc[3][1] = a31;
+    } else if (BF16) { /* one row, the whole panel: a0..a3 are its four groups of 8 columns */
+        const uint16_t *pw = (const uint16_t *)panel;
+        const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t kp = 0; kp < K / 2; ++kp) {
+            const uint16_t *w = pw + kp * 64;
+            _mm_prefetch((const char *)w + MMKIT_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+            const __m256 xe = _mm256_broadcast_ss(x + 2 * kp), xo = _mm256_broadcast_ss(x + 2 * kp + 1);
+#define MMKIT_A2_COLS(A, off)                                                                 \
+            {                                                                                 \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + off));             \
+                A = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(v, hi)),         \
+                                    _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), A)); \
+            }
+            MMKIT_A2_COLS(a0, 0) MMKIT_A2_COLS(a1, 16) MMKIT_A2_COLS(a2, 32) MMKIT_A2_COLS(a3, 48)
+#undef MMKIT_A2_COLS
+        }
+        acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
+    } else if (NC == 2) {
+        const float *pw = (const float *)panel + 8 * c0;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+               a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+        for (int64_t k = 0; k < K; ++k) {
+            const __m256 w0 = _mm256_loadu_ps(pw + k * 32), w1 = _mm256_loadu_ps(pw + k * 32 + 8);
+#define MMKIT_A2_ROW(r, A0, A1)                                         \
+            if (R > r) {                                                \
+                const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);  \
+                A0 = _mm256_fmadd_ps(xb, w0, A0);                       \
+                A1 = _mm256_fmadd_ps(xb, w1, A1);                       \
+            }
+            MMKIT_A2_ROW(0, a00, a01) MMKIT_A2_ROW(1, a10, a11) MMKIT_A2_ROW(2, a20, a21) MMKIT_A2_ROW(3, a30, a31)
+            MMKIT_A2_ROW(4, a40, a41) MMKIT_A2_ROW(5, a50, a51)
+#undef MMKIT_A2_ROW
+        }
+        acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11;
+        acc[2][0] = a20; acc[2][1] = a21; acc[3][0] = a30; acc[3][1] = a31;
+        acc[4][0] = a40; acc[4][1] = a41; acc[5][0] = a50; acc[5][1] = a51;
+    } else {
+        const float *pw = (const float *)panel;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; ++k) {
+            const float *w = pw + k * 32;
+            _mm_prefetch((const char *)w + MMKIT_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+            const __m256 xb = _mm256_broadcast_ss(x + k);
+            a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), a0);
+            a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), a1);
+            a2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 16), a2);
+            a3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 24), a3);
+        }
+        acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
+    }
+    /* Out through a plain array: handing the accumulators' address on made gcc 12 store every
+     * accumulator to the stack after each FMA. */
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NC; ++j) _mm256_storeu_ps(v[r] + 8 * (c0 + j), acc[r][j]);
+}
+
+/* R (< = MMKIT_A2_MR) rows against one panel: 1 row in one pass, more by halves. */
+MMKIT_INLINE void a2_panel(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, const int R,
+                           const void *panel, int64_t K, const int BF16) {
+    if (R == 1) {
+        a2_rows(v, x, xs, 1, 4, 0, panel, K, BF16);
+    } else {
+        a2_rows(v, x, xs, R, 2, 0, panel, K, BF16);
+        a2_rows(v, x, xs, R, 2, 2, panel, K, BF16);
+    }
+}
+
+static void a2_block(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, int R, const void *panel,
+                     int64_t K, int bf16) {
+#define MMKIT_A2_CASE(n) case n: if (bf16) a2_panel(v, x, xs, n, panel, K, 1); else a2_panel(v, x, xs, n, panel, K, 0); break;
+    switch (R) {
+    MMKIT_A2_CASE(6) MMKIT_A2_CASE(5) MMKIT_A2_CASE(4) MMKIT_A2_CASE(3) MMKIT_A2_CASE(2)
+    default: if (bf16) a2_panel(v, x, xs, 1, panel, K, 1); else a2_panel(v, x, xs, 1, panel, K, 0); break;
+    }
+#undef MMKIT_A2_CASE
+}
+
+/* Rows [0, M) of float32 x (rows xs apart) against panel p; out [M, N] of `dtype`. */
+static void a2_panel_rows(void *out, int64_t N, const float *x, int64_t xs, int64_t M, const void *panels,
+                          int64_t K, const void *bias, int64_t p, int dtype) {
+    const int64_t n0 = p * MMKIT_PANEL, ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
+    const void *panel = dtype == 1 ? (const void *)((const uint16_t *)panels + p * K * MMKIT_PANEL)
+                                   : (const void *)((const float *)panels + p * K * MMKIT_PANEL);
+    float v[MMKIT_A2_MR][MMKIT_PANEL];
+    const int64_t mr = dtype == 1 ? MMKIT_A2_MR_BF16 : MMKIT_A2_MR;
+    for (int64_t m = 0; m < M; m += mr) {
+        const int R = M - m < mr ? (int)(M - m) : (int)mr;
+        a2_block(v, x + m * xs, xs, R, panel, K, dtype == 1);
+        for (int r = 0; r < R; ++r) {
+            if (dtype == 1) {
+                uint16_t *o = (uint16_t *)out + (m + r) * N + n0;
+                const uint16_t *b = bias ? (const uint16_t *)bias + n0 : NULL;
+                for (int64_t c = 0; c < ncols; ++c) o[c] = f32_to_bf16(b ? v[r][c] + bf16_to_f32(b[c]) : v[r][c]);
+            } else {
+                float *o = (float *)out + (m + r) * N + n0;
+                const float *b = bias ? (const float *)bias + n0 : NULL;
+                for (int64_t c = 0; c < ncols; ++c) o[c] = b ? v[r][c] + b[c] : v[r][c];
+            }
+        }
+    }
+}
+
+/* The AVX2 GEMM: float32 x is used in place, MMKIT_M_CHUNK rows per pass; bf16 x is widened
+ * chunk by chunk into a buffer of at most MMKIT_A2_XBUF bytes (rows split between threads),
+ * then every thread runs its panels over the chunk. */
+static int a2_gemm(void *out, const void *x, int64_t xs, int64_t M, int64_t K, int64_t N, const void *panels,
+                   const void *bias, int dtype, int nthreads) {
+    const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
+    int64_t rows = dtype == 1 ? MMKIT_A2_XBUF / (4 * K) : MMKIT_M_CHUNK;
+    rows = rows < MMKIT_A2_MR ? MMKIT_A2_MR : rows / MMKIT_A2_MR * MMKIT_A2_MR;
+    if (rows > M) rows = M;
+    float *buf = NULL;
+    if (dtype == 1) {
+        buf = (float *)malloc((size_t)(rows * K) * sizeof(float));
+        if (!buf) return 2;
+    }
+    int pthreads = nthreads < 1 ? 1 : nthreads;
+    if (pthreads > P) pthreads = (int)P;
+    for (int64_t c0 = 0; c0 < M; c0 += rows) {
+        const int64_t c1 = c0 + rows < M ? c0 + rows : M;
+        if (dtype == 1) {
+            /* one thread: a wake-up costs more than widening a few rows */
+            for (int64_t m = c0; m < c1; ++m) {
+                const uint16_t *xr = (const uint16_t *)x + m * xs;
+                float *br = buf + (m - c0) * K;
+                for (int64_t k = 0; k < K; ++k) br[k] = bf16_to_f32(xr[k]);
+            }
+        }
+        const float *xc = dtype == 1 ? buf : (const float *)x + c0 * xs;
+        const int64_t xcs = dtype == 1 ? K : xs;
+        void *oc = dtype == 1 ? (void *)((uint16_t *)out + c0 * N) : (void *)((float *)out + c0 * N);
+#pragma omp parallel num_threads(pthreads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
+                a2_panel_rows(oc, N, xc, xcs, c1 - c0, panels, K, bias, p, dtype);
+        }
+    }
+    free(buf);
+    return 0;
+}
+#endif
+
 /* x: [M, K] (dtype 0 float32, 1 bf16 with K even), rows x_stride apart; panels as above for N
  * outputs; bias [N] or NULL; out: [M, N] dense, all of x's dtype. Threads split the panels
  * (contiguous runs); rows of x go MMKIT_M_CHUNK at a time.
- * Returns 0, or 1 when this build has no AVX512-BF16 path (nothing written). */
+ * Returns 0; 1 when this build has neither the AVX512-BF16 nor the AVX2 path (nothing written);
+ * 2 when the AVX2 path could not allocate its widening buffer. */
 int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      const void *panels, const void *bias, int dtype, int nthreads) {
-#ifdef MMKIT_P_BF16DP
+#if defined(MMKIT_P_AVX2)
+    return a2_gemm(out, x, x_stride, M, K, N, panels, bias, dtype, nthreads);
+#elif defined(MMKIT_P_BF16DP)
     const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
@@ -158,7 +360,7 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
 }
 
 int mmkit_panel_gemm_available(void) {
-#ifdef MMKIT_P_BF16DP
+#if defined(MMKIT_P_BF16DP) || defined(MMKIT_P_AVX2)
     return 1;
 #else
     return 0;

@@ -251,3 +251,13 @@ int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, i
     return 1;
 #endif
 }
+
+/* 1 where this build has the quantized panels (AVX512-BF16); the dense panels' AVX2 path has no
+ * quantized twin, so there int8/int4 weights keep quant_gemm_cpu.c's kernels. */
+int mmkit_quant_panel_gemm_available(void) {
+#ifdef MMKIT_QP_BF16DP
+    return 1;
+#else
+    return 0;
+#endif
+}
