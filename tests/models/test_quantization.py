@@ -152,8 +152,8 @@ def test_online_quantizes_checkpoint_tensors_as_they_stream(bases, monkeypatch):
     expected = quantize_int8(state[key])
     assert torch.equal(layer.mlp.down_proj.qweight.qweight, expected.qweight)
     assert torch.equal(layer.mlp.down_proj.qweight.scales, expected.scales)
-    from mmkit.layers import linear_panels
-    if linear_panels.available():  # a bf16 engine holds the integers in the quantized panels only
+    from mmkit.layers import quant_panels
+    if quant_panels.available():  # a bf16 engine holds the integers in the quantized panels only
         assert layer.mlp.down_proj.panels is not None
         # the row-major integers stay only where oneDNN's AMX tiles take the larger batches
         assert (layer.mlp.down_proj._qweight is None) == (linear_panels.BF16_MAX_ROWS is None)
