@@ -10,7 +10,7 @@ from mmkit.layers import cpu_kernels, linear_panels
 from mmkit.models.llama import GEMV_MAX_ROWS, Linear
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="the C kernels did not build")
-needs_panels = pytest.mark.skipif(not linear_panels.available(), reason="needs AVX512-BF16")
+needs_panels = pytest.mark.skipif(not linear_panels.available(), reason="needs the panel kernels (AVX512-BF16 or AVX2)")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
