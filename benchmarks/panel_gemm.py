@@ -1,40 +1,71 @@
-"""The decoder linear shapes of the benchmark LLaVA (fused qkv 960x576, o 576x576, gate/up
-3072x576, down 576x1536), 6 distinct copies so the weights come from memory: mmkit's panel GEMM
-against torch's F.linear (oneDNN bf16 / MKL float32), per row count, median of 5 passes.
+"""The decoder's linear shapes of the benchmark LLaVA (fused qkv 960x576, o 576x576, gate/up
+3072x576, down 576x1536): mmkit's panel GEMM against torch's `F.linear` (oneDNN in bf16, MKL in
+float32), per row count. `--layers` distinct copies of each weight, so that they come from memory
+as in a real step; milliseconds for one pass over all of them, median of `--repeats`.
 
-    OMP_WAIT_POLICY=PASSIVE T=2 python benchmarks/panel_gemm.py [1,4,16,128,512]
+    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/panel_gemm.py [--rows 1 4 16 128 512] [--threads 2]
 """
-import os, sys, time, statistics
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch, torch.nn.functional as F
-torch.set_num_threads(int(os.environ.get("T", "2")))
-from mmkit.layers import linear_panels as lp
-print("panels available", lp.available())
-shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-L = 6
-rows_list = [int(r) for r in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 4, 16, 128, 512]
-for dtype in (torch.bfloat16, torch.float32):
-    ws = [[torch.randn(n, k).mul(0.02).to(dtype) for (n, k) in shapes] for _ in range(L)]
-    packed = [[lp.pack(w) for w in layer] for layer in ws]
-    runs = [[lp.bind(p, w.shape[0], None) for p, w in zip(pl, wl)] for pl, wl in zip(packed, ws)]
-    for M in rows_list:
-        xs = {k: torch.randn(M, k).to(dtype) for (_, k) in shapes}
-        def t(fn, reps=5):
-            fn()
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-            return statistics.median(ts) * 1e3
-        def pan():
-            for layer in runs:
-                for r, (n, k) in zip(layer, shapes):
-                    r(xs[k])
-        def ref():
-            for layer in ws:
-                for w, (n, k) in zip(layer, shapes):
-                    F.linear(xs[k], w)
-        # check
-        err = max((runs[0][i](xs[k]).float() - F.linear(xs[k].float(), ws[0][i].float())).abs().max().item() for i, (n, k) in enumerate(shapes))
-        a, b = t(pan), t(ref)
-        flops = 2 * M * sum(n * k for n, k in shapes) * L
-        print(f"{str(dtype):15s} M={M:4d} panels {a:8.2f} ms ({flops/a/1e6:6.1f} GFLOPS)  F.linear {b:8.2f} ms ({flops/b/1e6:6.1f})  ratio {a/b:.2f}  maxerr {err:.3g}", flush=True)
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: F401  (sets OMP_WAIT_POLICY before torch)
+import torch
+import torch.nn.functional as F
+
+from mmkit.layers import linear_panels
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def compare(dtype: torch.dtype, rows: list[int], layers: int, repeats: int) -> None:
+    weights = [[(0.02 * torch.randn(n, k)).to(dtype) for n, k in SHAPES] for _ in range(layers)]
+    packed = [[linear_panels.pack(w) for w in layer] for layer in weights]  # alive while bound
+    panels = [[linear_panels.bind(pw, w.shape[0], None) for pw, w in zip(pl, wl)] for pl, wl in zip(packed, weights)]
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(dtype) for _, k in SHAPES}
+        ours = median_ms(lambda xs=xs: [run(xs[k]) for layer in panels for run, (_, k) in zip(layer, SHAPES)],
+                         repeats)
+        ref = median_ms(lambda xs=xs: [F.linear(xs[k], w) for layer in weights for w, (_, k) in zip(layer, SHAPES)],
+                        repeats)
+        err = max((run(xs[k]).float() - F.linear(xs[k].float(), w.float())).abs().max().item()
+                  for run, w, (_, k) in zip(panels[0], weights[0], SHAPES))
+        flops = 2 * m * layers * sum(n * k for n, k in SHAPES)
+        print(f"{dtype!s:15s} M={m:4d} panels {ours:8.2f} ms ({flops / ours / 1e6:6.1f} GFLOPS)  "
+              f"F.linear {ref:8.2f} ms ({flops / ref / 1e6:6.1f})  ratio {ours / ref:.2f}  maxerr {err:.3g}",
+              flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128, 512])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not linear_panels.available():
+        sys.exit("the panel kernels are not available on this CPU/build (AVX512-BF16 or AVX2+FMA needed)")
+    for dtype in (torch.bfloat16, torch.float32):
+        compare(dtype, args.rows, args.layers, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

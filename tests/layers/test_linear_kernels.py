@@ -131,3 +131,20 @@ def test_float32_linear_runs_the_gemv_for_few_rows_without_panels(monkeypatch):
         x = torch.randn(m, 40, generator=_gen(11))
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
     assert calls == [1, GEMV_MAX_ROWS]  # more rows: F.linear
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_gemm_rows_do_not_depend_on_their_batch(dtype):
+    """Each output row is bit-identical whether its row of x runs alone (the batch-1 kernel) or
+    among 300 others (the blocked kernels, several chunks): every path sums each column in the
+    same order, so a request's result does not depend on what shares its step."""
+    n, k = 70, 598
+    w = torch.randn(n, k, generator=_gen(21)).to(dtype)
+    b = torch.randn(n, generator=_gen(22)).to(dtype)
+    x = torch.randn(301, k, generator=_gen(23)).to(dtype)
+    panels = linear_panels.pack(w)
+    batched = linear_panels.gemm(x, panels, n, b)
+    for i in (0, 1, 5, 77, 78, 150, 300):
+        assert torch.equal(linear_panels.gemm(x[i:i + 1], panels, n, b)[0], batched[i]), i
+    assert torch.equal(linear_panels.gemm(x[3:10], panels, n, b), batched[3:10])

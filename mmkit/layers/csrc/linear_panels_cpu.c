@@ -150,15 +150,13 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
 #define MMKIT_A2_XBUF (192 * 1024)
 
 /* R rows of float32 x (rows xs apart) against columns [8 c0, 8 (c0 + NC)) of one panel
- * (bf16 pairs when BF16, else float32); the R x 8 NC sums go to v. NC is 4 only with R = 1. */
+ * (bf16 pairs when BF16, else float32); the R x 8 NC sums go to v. NC is 4 only with R = 1;
+ * bf16 takes R <= MMKIT_A2_MR_BF16. The accumulators are named variables: held in an array,
+ * gcc 12 stored every one of them to the stack after each FMA (half the speed). */
+#define MMKIT_A2_OUT(r, j, A) if (R > r) _mm256_storeu_ps(v[r] + 8 * (c0 + j), A);
 MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, const int R,
                           const int NC, const int c0, const void *panel, int64_t K, const int BF16) {
-    __m256 acc[MMKIT_A2_MR][4];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NC; ++j) acc[r][j] = _mm256_setzero_ps();
     if (BF16 && NC == 2) {
-        /* Named accumulators: with an array here gcc 12 stored every accumulator to the stack
-         * after each FMA (the float32 loop below does not need this). */
         const uint16_t *pw = (const uint16_t *)panel + 16 * c0;
         const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
@@ -181,8 +179,8 @@ MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int
             MMKIT_A2_ROW(0, a00, a01) MMKIT_A2_ROW(1, a10, a11) MMKIT_A2_ROW(2, a20, a21) MMKIT_A2_ROW(3, a30, a31)
 #undef MMKIT_A2_ROW
         }
-        acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11;
-        acc[2][0] = a20; acc[2][1] = a21; acc[3][0] = a30; acc[3][1] = a31;
+        MMKIT_A2_OUT(0, 0, a00) MMKIT_A2_OUT(0, 1, a01) MMKIT_A2_OUT(1, 0, a10) MMKIT_A2_OUT(1, 1, a11)
+        MMKIT_A2_OUT(2, 0, a20) MMKIT_A2_OUT(2, 1, a21) MMKIT_A2_OUT(3, 0, a30) MMKIT_A2_OUT(3, 1, a31)
     } else if (BF16) { /* one row, the whole panel: a0..a3 are its four groups of 8 columns */
         const uint16_t *pw = (const uint16_t *)panel;
         const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
@@ -201,7 +199,7 @@ MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int
             MMKIT_A2_COLS(a0, 0) MMKIT_A2_COLS(a1, 16) MMKIT_A2_COLS(a2, 32) MMKIT_A2_COLS(a3, 48)
 #undef MMKIT_A2_COLS
         }
-        acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
+        MMKIT_A2_OUT(0, 0, a0) MMKIT_A2_OUT(0, 1, a1) MMKIT_A2_OUT(0, 2, a2) MMKIT_A2_OUT(0, 3, a3)
     } else if (NC == 2) {
         const float *pw = (const float *)panel + 8 * c0;
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
@@ -218,9 +216,9 @@ MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int
             MMKIT_A2_ROW(4, a40, a41) MMKIT_A2_ROW(5, a50, a51)
 #undef MMKIT_A2_ROW
         }
-        acc[0][0] = a00; acc[0][1] = a01; acc[1][0] = a10; acc[1][1] = a11;
-        acc[2][0] = a20; acc[2][1] = a21; acc[3][0] = a30; acc[3][1] = a31;
-        acc[4][0] = a40; acc[4][1] = a41; acc[5][0] = a50; acc[5][1] = a51;
+        MMKIT_A2_OUT(0, 0, a00) MMKIT_A2_OUT(0, 1, a01) MMKIT_A2_OUT(1, 0, a10) MMKIT_A2_OUT(1, 1, a11)
+        MMKIT_A2_OUT(2, 0, a20) MMKIT_A2_OUT(2, 1, a21) MMKIT_A2_OUT(3, 0, a30) MMKIT_A2_OUT(3, 1, a31)
+        MMKIT_A2_OUT(4, 0, a40) MMKIT_A2_OUT(4, 1, a41) MMKIT_A2_OUT(5, 0, a50) MMKIT_A2_OUT(5, 1, a51)
     } else {
         const float *pw = (const float *)panel;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -234,13 +232,10 @@ MMKIT_INLINE void a2_rows(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int
             a2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 16), a2);
             a3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 24), a3);
         }
-        acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
+        MMKIT_A2_OUT(0, 0, a0) MMKIT_A2_OUT(0, 1, a1) MMKIT_A2_OUT(0, 2, a2) MMKIT_A2_OUT(0, 3, a3)
     }
-    /* Out through a plain array: handing the accumulators' address on made gcc 12 store every
-     * accumulator to the stack after each FMA. */
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NC; ++j) _mm256_storeu_ps(v[r] + 8 * (c0 + j), acc[r][j]);
 }
+#undef MMKIT_A2_OUT
 
 /* R (< = MMKIT_A2_MR) rows against one panel: 1 row in one pass, more by halves. */
 MMKIT_INLINE void a2_panel(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, const int R,
@@ -255,12 +250,23 @@ MMKIT_INLINE void a2_panel(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, in
 
 static void a2_block(float v[MMKIT_A2_MR][MMKIT_PANEL], const float *x, int64_t xs, int R, const void *panel,
                      int64_t K, int bf16) {
-#define MMKIT_A2_CASE(n) case n: if (bf16) a2_panel(v, x, xs, n, panel, K, 1); else a2_panel(v, x, xs, n, panel, K, 0); break;
-    switch (R) {
-    MMKIT_A2_CASE(6) MMKIT_A2_CASE(5) MMKIT_A2_CASE(4) MMKIT_A2_CASE(3) MMKIT_A2_CASE(2)
-    default: if (bf16) a2_panel(v, x, xs, 1, panel, K, 1); else a2_panel(v, x, xs, 1, panel, K, 0); break;
+    if (bf16) { /* R <= MMKIT_A2_MR_BF16 */
+        switch (R) {
+        case 4: a2_panel(v, x, xs, 4, panel, K, 1); break;
+        case 3: a2_panel(v, x, xs, 3, panel, K, 1); break;
+        case 2: a2_panel(v, x, xs, 2, panel, K, 1); break;
+        default: a2_panel(v, x, xs, 1, panel, K, 1); break;
+        }
+        return;
     }
-#undef MMKIT_A2_CASE
+    switch (R) {
+    case 6: a2_panel(v, x, xs, 6, panel, K, 0); break;
+    case 5: a2_panel(v, x, xs, 5, panel, K, 0); break;
+    case 4: a2_panel(v, x, xs, 4, panel, K, 0); break;
+    case 3: a2_panel(v, x, xs, 3, panel, K, 0); break;
+    case 2: a2_panel(v, x, xs, 2, panel, K, 0); break;
+    default: a2_panel(v, x, xs, 1, panel, K, 0); break;
+    }
 }
 
 /* Rows [0, M) of float32 x (rows xs apart) against panel p; out [M, N] of `dtype`. */
@@ -289,13 +295,14 @@ static void a2_panel_rows(void *out, int64_t N, const float *x, int64_t xs, int6
 }
 
 /* The AVX2 GEMM: float32 x is used in place, MMKIT_M_CHUNK rows per pass; bf16 x is widened
- * chunk by chunk into a buffer of at most MMKIT_A2_XBUF bytes (rows split between threads),
- * then every thread runs its panels over the chunk. */
+ * chunk by chunk (on the calling thread) into a buffer of at most MMKIT_A2_XBUF bytes, then the
+ * threads split the panels over the chunk. */
 static int a2_gemm(void *out, const void *x, int64_t xs, int64_t M, int64_t K, int64_t N, const void *panels,
                    const void *bias, int dtype, int nthreads) {
     const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
+    const int64_t mr = dtype == 1 ? MMKIT_A2_MR_BF16 : MMKIT_A2_MR;
     int64_t rows = dtype == 1 ? MMKIT_A2_XBUF / (4 * K) : MMKIT_M_CHUNK;
-    rows = rows < MMKIT_A2_MR ? MMKIT_A2_MR : rows / MMKIT_A2_MR * MMKIT_A2_MR;
+    rows = rows < mr ? mr : rows / mr * mr; /* whole blocks per chunk */
     if (rows > M) rows = M;
     float *buf = NULL;
     if (dtype == 1) {
@@ -307,7 +314,6 @@ static int a2_gemm(void *out, const void *x, int64_t xs, int64_t M, int64_t K, i
     for (int64_t c0 = 0; c0 < M; c0 += rows) {
         const int64_t c1 = c0 + rows < M ? c0 + rows : M;
         if (dtype == 1) {
-            /* one thread: a wake-up costs more than widening a few rows */
             for (int64_t m = c0; m < c1; ++m) {
                 const uint16_t *xr = (const uint16_t *)x + m * xs;
                 float *br = buf + (m - c0) * K;
