@@ -113,6 +113,9 @@ class AttentionMetadata:
     decode_tables: list[list[int]] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
     decode_windows: dict[int, DecodeView] = field(default_factory=dict)
+    # Every row of the step (decodes, then each prefill token) as one row of the paged kernel,
+    # built at a global layer's first use in a step: [view] or [None] when it cannot serve.
+    _rows_view: list = field(default_factory=list, repr=False)
 
     def window_view(self, sliding_window: int) -> DecodeView:
         """Decode view of a sliding layer: only the blocks overlapping each window."""
@@ -202,6 +205,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
+    if meta.prefills and sliding_window is None and q.is_cpu and cpu_kernels.supports(q, k_cache):
+        # The new K/V are in the cache now, so a prefill token at position p is a decode row
+        # whose context is [0, p]: one kernel call for the whole step instead of an SDPA call
+        # (about 1 ms of fixed cost each on CPU, whatever the chunk's length) per chunk.
+        view = _rows_view(meta, q.shape[0], k_cache.shape[2])
+        if view is not None:
+            out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
+                                                     view.context_lens, scale)
+            if out is not None:
+                return out
     view = _decode_view(meta, sliding_window) if nd else None
     if nd and not meta.prefills:
         return _decode_attention(q, k_cache, v_cache, view, scale)
@@ -212,6 +225,35 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, sliding_window)
     return out
+
+
+def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int) -> DecodeView | None:
+    """The step's rows as decode rows of a global layer, or None when some chunk has
+    bidirectional spans (its queries see later keys) or the rows are not laid out as
+    decodes first, then the chunks in order."""
+    if meta._rows_view:
+        return meta._rows_view[0]
+    view = None
+    chunks = meta.prefills
+    nd = meta.num_decode_tokens
+    starts = [nd]
+    for c in chunks:
+        starts.append(starts[-1] + c.query_len)
+    if (not any(c.spans for c in chunks) and starts[-1] == num_tokens
+            and all(c.query_start == s for c, s in zip(chunks, starts))):
+        live = [-(-c.context_len // block_size) for c in chunks]
+        width = max(live + [meta.decode_max_blocks if nd else 0])
+        ids, lens = [], []
+        if nd:
+            table = meta.decode_block_ids.view(nd, meta.decode_max_blocks)
+            ids.append(F.pad(table, (0, width - meta.decode_max_blocks)))
+            lens.append(meta.decode_context_lens)
+        for c, n in zip(chunks, live):
+            ids.append(F.pad(c.block_table[:n], (0, width - n)).expand(c.query_len, width))
+            lens.append(torch.arange(c.context_len - c.query_len + 1, c.context_len + 1, device=c.block_table.device))
+        view = DecodeView(torch.cat(ids).reshape(-1), width, torch.cat(lens), None, True)
+    meta._rows_view.append(view)
+    return view
 
 
 def _decode_view(meta: AttentionMetadata, sliding_window: int | None) -> DecodeView:

@@ -243,3 +243,66 @@ def test_greedy_fast_path_equals_general_sampler():
     general = Sampler()(logits, mixed)
     assert fast.token_ids == general.token_ids == logits.float().argmax(-1).tolist()
     assert fast.token_ids[0] == 5 and fast.logprobs is None
+
+
+def _mixed_step(dtype, spans=()):
+    """A step of 2 decodes, a whole prompt (20 tokens) and a chunk after 30 cached tokens (7
+    new), with shuffled blocks of 4: (q, k, v, caches, meta) for `paged_attention`."""
+    from mmkit.layers.attention import PrefillChunk
+
+    gen = torch.Generator().manual_seed(3)
+    bs, heads, kv_heads, dim = 4, 6, 2, 16
+    decode_lens, prompts = [10, 33], [(0, 20), (30, 37)]  # (cached, context) per chunk
+    needed = [-(-n // bs) for n in decode_lens + [c for _, c in prompts]]
+    order = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(order[at:at + n])
+        at += n
+    k_cache = torch.randn(kv_cache_shape(len(order), bs, kv_heads, dim), generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    positions = [n - 1 for n in decode_lens]
+    owners = [0, 1]
+    chunks, row = [], len(decode_lens)
+    for i, (cached, ctx) in enumerate(prompts):
+        positions += list(range(cached, ctx))
+        owners += [2 + i] * (ctx - cached)
+        chunks.append(PrefillChunk(row, ctx - cached, ctx, torch.tensor(tables[2 + i]), spans if i == 0 else ()))
+        row += ctx - cached
+    slots = torch.tensor([tables[o][p // bs] * bs + p % bs for o, p in zip(owners, positions)])
+    meta = AttentionMetadata(slot_mapping=slots, prefills=chunks, block_size=bs)
+    build_decode_metadata(meta, tables[:2], decode_lens, bs, torch.device("cpu"))
+    n = len(positions)
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], k_cache, v_cache, meta
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_prefill_rows_through_the_decode_kernel_match_sdpa(dtype, atol, monkeypatch):
+    from mmkit.layers import attention
+
+    calls = []
+    kernel = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    q, k, v, k_cache, v_cache, meta = _mixed_step(dtype)
+    out = attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    assert calls == [q.shape[0]]  # one call for every row of the step
+    q, k, v, k_cache, v_cache, meta = _mixed_step(dtype)
+    monkeypatch.setattr(attention, "_rows_view", lambda *a: None)  # the per-chunk SDPA path
+    ref = attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@needs_kernels
+def test_prefill_with_bidirectional_spans_keeps_sdpa():
+    from mmkit.layers import attention
+
+    q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32, spans=((5, 12),))
+    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2]) is None
+    out = attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    # row 2 + 5 (position 5) sees keys up to position 11 of its span: not what causal gives
+    q2, k2, v2, kc2, vc2, meta2 = _mixed_step(torch.float32)
+    causal = attention.paged_attention(q2, k2, v2, kc2, vc2, meta2, 0.25)
+    assert not torch.allclose(out[2 + 5], causal[2 + 5])
+    torch.testing.assert_close(out[2 + 12:], causal[2 + 12:], rtol=0, atol=2e-6)
