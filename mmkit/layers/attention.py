@@ -24,12 +24,16 @@ Attention variants, per layer (a family only declares them; see `mmkit/layers/sl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from mmkit.layers import cpu_kernels
+
+# `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
+_PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
 
 
 @dataclass
@@ -205,7 +209,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
-    if meta.prefills and sliding_window is None and q.is_cpu and cpu_kernels.supports(q, k_cache):
+    if (meta.prefills and sliding_window is None and q.is_cpu and cpu_kernels.supports(q, k_cache)
+            and _PAGED_PREFILL):
         # The new K/V are in the cache now, so a prefill token at position p is a decode row
         # whose context is [0, p]: one kernel call for the whole step instead of an SDPA call
         # (about 1 ms of fixed cost each on CPU, whatever the chunk's length) per chunk.

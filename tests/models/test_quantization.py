@@ -152,7 +152,7 @@ def test_online_quantizes_checkpoint_tensors_as_they_stream(bases, monkeypatch):
     expected = quantize_int8(state[key])
     assert torch.equal(layer.mlp.down_proj.qweight.qweight, expected.qweight)
     assert torch.equal(layer.mlp.down_proj.qweight.scales, expected.scales)
-    from mmkit.layers import quant_panels
+    from mmkit.layers import linear_panels, quant_panels
     if quant_panels.available():  # a bf16 engine holds the integers in the quantized panels only
         assert layer.mlp.down_proj.panels is not None
         # the row-major integers stay only where oneDNN's AMX tiles take the larger batches
