@@ -34,6 +34,10 @@ from mmkit.layers import cpu_kernels
 
 # `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
 _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
+# The decode kernel reads a row's whole context per query (no tile reuse across queries):
+# ahead of SDPA up to about a thousand keys, level with it near 2048 (2 threads, bf16 and
+# float32; benchmarks/results/round4/g/prefill_attention_by_length.log). Longer chunks keep SDPA.
+PAGED_PREFILL_MAX_CONTEXT = 1024
 
 
 @dataclass
@@ -234,8 +238,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int) -> DecodeView | None:
     """The step's rows as decode rows of a global layer, or None when some chunk has
-    bidirectional spans (its queries see later keys) or the rows are not laid out as
-    decodes first, then the chunks in order."""
+    bidirectional spans (its queries see later keys) or a context past
+    PAGED_PREFILL_MAX_CONTEXT, or the rows are not laid out as decodes first, then the chunks
+    in order."""
     if meta._rows_view:
         return meta._rows_view[0]
     view = None
@@ -244,7 +249,7 @@ def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int) -> Dec
     starts = [nd]
     for c in chunks:
         starts.append(starts[-1] + c.query_len)
-    if (not any(c.spans for c in chunks) and starts[-1] == num_tokens
+    if (not any(c.spans or c.context_len > PAGED_PREFILL_MAX_CONTEXT for c in chunks) and starts[-1] == num_tokens
             and all(c.query_start == s for c, s in zip(chunks, starts))):
         live = [-(-c.context_len // block_size) for c in chunks]
         width = max(live + [meta.decode_max_blocks if nd else 0])

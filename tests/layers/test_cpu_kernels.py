@@ -306,3 +306,14 @@ def test_prefill_with_bidirectional_spans_keeps_sdpa():
     causal = attention.paged_attention(q2, k2, v2, kc2, vc2, meta2, 0.25)
     assert not torch.allclose(out[2 + 5], causal[2 + 5])
     torch.testing.assert_close(out[2 + 12:], causal[2 + 12:], rtol=0, atol=2e-6)
+
+
+@needs_kernels
+def test_long_prefill_chunks_keep_sdpa(monkeypatch):
+    from mmkit.layers import attention
+
+    q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
+    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2]) is not None
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT", 36)  # the second chunk's context is 37
+    q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
+    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2]) is None
