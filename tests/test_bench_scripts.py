@@ -60,3 +60,15 @@ def test_load_rss_reports_the_loading_peak(system, tiny_ckpt, tmp_path):
     assert data["system"] == system and data["dtype"] == "bfloat16"
     assert data["peak_rss_mb"] >= data["rss_after_load_mb"] > data["rss_after_imports_mb"] > 0
     assert "peak while loading" in res.stdout
+
+
+@pytest.mark.slow
+def test_step_split_accounts_for_every_step(tmp_path):
+    out = tmp_path / "s.json"
+    res = run("step_split.py", "--num-requests", "3", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    prompt = sum(s["tokens"] for s in data["steps"] if s["tokens"] != s["seqs"])
+    decoded = sum(s["tokens"] for s in data["steps"] if s["tokens"] == s["seqs"])
+    assert prompt > 3 * 36 and decoded > 0  # 3 prompts of 36 image tokens and text, then decodes
+    assert "decode-only steps" in res.stdout and "steps with prefill" in res.stdout

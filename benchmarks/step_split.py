@@ -1,0 +1,74 @@
+"""Where a workload's time goes, step by step: decode-only steps by batch size, and steps that
+carry prefill tokens, from one timed `LLM.generate` over the seeded workload.
+
+    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/step_split.py --workload decode-heavy \
+        [--num-requests 128] [--dtype bfloat16] [--threads 2] [--num-layers 30]
+
+A/B a switch by running it twice, e.g. with `MMKIT_PAGED_PREFILL=0` and without. The model
+runner's `execute_model` is timed (scheduling and output processing are outside it); a short
+warm-up batch runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(p)
+    p.add_argument("--workload", default="decode-heavy", choices=list(common.WORKLOADS))
+    p.add_argument("--num-requests", type=int, default=128)
+    args = p.parse_args()
+    _, size, llm = common.setup(args)
+    runner = llm.llm_engine.model_runner
+    execute = runner.execute_model
+    steps: list[tuple[int, int, float]] = []  # (tokens, sequences, seconds)
+
+    def timed(sched):
+        t = time.perf_counter()
+        out = execute(sched)
+        n = sched.num_scheduled_tokens
+        steps.append((sum(n.values()), len(n), time.perf_counter() - t))
+        return out
+
+    runner.execute_model = timed
+    warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)
+    llm.generate(common.mmkit_inputs(warm, size), common.mmkit_params(warm), use_tqdm=False)
+    steps.clear()
+    reqs = common.make_workload(args.workload, args.num_requests, seed=0)
+    t = time.perf_counter()
+    llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
+    wall = time.perf_counter() - t
+    useful = sum(r.max_tokens for r in reqs)
+    decode = [(s, d) for tok, s, d in steps if tok == s]
+    mixed = [(tok, s, d) for tok, s, d in steps if tok != s]
+    print(f"{args.workload} {args.dtype} {args.num_requests} req: wall {wall:.2f} s, {useful / wall:.1f} tok/s, "
+          f"{len(steps)} steps, {sum(d for *_, d in steps):.2f} s in the runner")
+    print(f"decode-only steps: {len(decode)}, {sum(d for _, d in decode):.2f} s, {sum(s for s, _ in decode)} rows")
+    print(f"steps with prefill: {len(mixed)}, {sum(d for *_, d in mixed):.2f} s, {sum(t for t, _, _ in mixed)} tokens")
+    by_size: dict[int, list[float]] = collections.defaultdict(list)
+    for s, d in decode:
+        by_size[1 << (s.bit_length() - 1)].append(d)
+    for b in sorted(by_size):
+        ds = by_size[b]
+        print(f"  decode batch {b}-{2 * b - 1}: {len(ds)} steps, {1000 * sum(ds) / len(ds):.1f} ms/step")
+    for tok, s, d in mixed:
+        print(f"  step with prefill: {tok} tokens, {s} sequences, {1000 * d:.1f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "workload": args.workload, "dtype": args.dtype, "num_requests": args.num_requests, "wall_s": wall,
+            "useful_tok_per_s": useful / wall, "steps": [{"tokens": t, "seqs": s, "s": d} for t, s, d in steps]}))
+
+
+if __name__ == "__main__":
+    main()
