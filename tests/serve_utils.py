@@ -22,12 +22,30 @@ RED_CIRCLE = REPO / "assets" / "scenes" / "red_circle.png"
 _READY = re.compile(r"ready at (http://\S+)/v1")
 
 
+_SLOW_STEPS = """
+import runpy, sys, time
+from mmkit.worker.model_runner import ModelRunner
+_execute = ModelRunner.execute_model
+def _slow(self, sched):
+    time.sleep({delay})
+    return _execute(self, sched)
+ModelRunner.execute_model = _slow
+sys.argv[0] = "mmkit"
+runpy.run_module("mmkit", run_name="__main__")
+"""
+
+
 class ServerProcess:
     """`python -m mmkit serve ...` on a free port; `.base_url` ends in /v1."""
 
-    def __init__(self, *args: str, env: dict | None = None, timeout: float = 300.0) -> None:
-        cmd = [sys.executable, "-m", "mmkit", "serve", "--port", "0", "--threads", "1",
-               "--log-level", "warning", *args]
+    def __init__(self, *args: str, env: dict | None = None, timeout: float = 300.0,
+                 step_delay_s: float = 0.0) -> None:
+        serve_args = ["serve", "--port", "0", "--threads", "1", "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", "mmkit", *serve_args]
+        if step_delay_s:
+            # Each engine step sleeps first, so a test can act while a request still runs (the
+            # embedded model writes hundreds of tokens a second). Patched in the child only.
+            cmd = [sys.executable, "-c", _SLOW_STEPS.format(delay=step_delay_s), *serve_args]
         full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=full_env, cwd=str(REPO))

@@ -56,11 +56,13 @@ def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=find_chromium(), args=CHROMIUM_ARGS)
 
 
-def start_server(api_key: Optional[str] = None) -> ServerProcess:
-    """`mmkit serve` with the embedded model on a free port (tests/serve_utils.py); stop() ends it."""
+def start_server(api_key: Optional[str] = None, step_delay_s: float = 0.0) -> ServerProcess:
+    """`mmkit serve` with the embedded model on a free port (tests/serve_utils.py); stop() ends it.
+    `step_delay_s` slows every engine step (serve_utils.ServerProcess), for tests that act mid-answer."""
     if api_key:
-        return ServerProcess("--api-key", api_key)
-    return ServerProcess(env={"MMKIT_API_KEY": ""})  # a key in the caller's environment must not leak in
+        return ServerProcess("--api-key", api_key, step_delay_s=step_delay_s)
+    # a key in the caller's environment must not leak in
+    return ServerProcess(env={"MMKIT_API_KEY": ""}, step_delay_s=step_delay_s)
 
 
 @contextmanager

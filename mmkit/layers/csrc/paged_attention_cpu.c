@@ -36,18 +36,31 @@ static inline __attribute__((always_inline)) void load_row(float *restrict dst, 
 }
 
 /* Rows [0, len) of scores[g * stride ...] for each of `group` heads become exp(score - max);
- * sums[g] gets their sum (the softmax is normalised on the output). */
-static inline void softmax_numerators(float *scores, int64_t group, int64_t stride, int64_t len, float *sums) {
+ * sums[g] gets their sum (the softmax is normalised on the output). With bf16 inputs the
+ * numerators are rounded to bf16 and the sum is taken before rounding, as torch's CPU flash
+ * attention does (it multiplies bf16 probabilities by V): transformers' bf16 reference then
+ * agrees with this kernel to the last bit far more often, and greedy ids stay equal. */
+static inline void softmax_numerators(float *scores, int64_t group, int64_t stride, int64_t len, float *sums,
+                                      const int dtype) {
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * stride;
         float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
         for (int64_t t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
         float sum = 0.0f;
+        if (dtype == MMKIT_F32) {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_clamped(sg[t] - mx);
-            sum += sg[t];
+            for (int64_t t = 0; t < len; t++) {
+                sg[t] = exp_clamped(sg[t] - mx);
+                sum += sg[t];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < len; t++) {
+                const float e = exp_clamped(sg[t] - mx);
+                sum += e;
+                sg[t] = round_bf16(e);
+            }
         }
         sums[g] = sum;
     }
@@ -124,7 +137,7 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     }
     /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    softmax_numerators(scores, group, max_len, len, sums);
+    softmax_numerators(scores, group, max_len, len, sums, dtype);
     /* Pass 2: out_g = sum_t p_gt v_t / sum_t p_gt */
     load_context(rows, p->v_cache, table, start, start + len, kvh * p->num_blocks, p->block_size, head_dim, dtype);
     for (int64_t g = 0; g < group; g++) {
@@ -254,7 +267,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     }
     /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    softmax_numerators(scores, group, max_len, len - start, sums);
+    softmax_numerators(scores, group, max_len, len - start, sums, dtype);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
     for (int64_t t0 = start; t0 < len; t0 += 16) {

@@ -51,6 +51,15 @@ def server(browser):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def slow_server(browser):
+    """A server whose engine steps take 25 ms more each: a 400-token answer lasts 10 s, so a
+    click can land mid-answer however fast the machine (the plain one finishes in about a second)."""
+    server = start_server(step_delay_s=0.025)
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def page(browser):
     """A fresh tab (own sessionStorage); fails the test on any uncaught JavaScript error."""
@@ -184,7 +193,8 @@ def test_red_circle_streams_the_api_greedy_answer_and_keeps_the_image(server, pa
     assert len(page.chat_requests[-1]["messages"]) == 1
 
 
-def test_stop_ends_the_stream_and_the_server_aborts_the_request(server, page):
+def test_stop_ends_the_stream_and_the_server_aborts_the_request(slow_server, page):
+    server = slow_server
     max_tokens = 400  # the prompt is 77 tokens; the model's context is 512
 
     # The embedded model answers in a few tokens; `ignore_eos` (a vLLM extra the server takes)

@@ -59,6 +59,9 @@ def test_bf16_vision_bit_identical_and_sequences_agree(ckpt):
         inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(prefix)], 1)
         with torch.no_grad():
             logits = model(**inputs).logits[0, -1].float()
+        # The judge is a whole forward over the prefix, not transformers' cached decode step: the
+        # two round differently, so the judge may rank our token a ulp above transformers' own
+        # choice. Either sign is a tie; a real bug puts it many ulps away.
         gap = float(logits[expected[k]] - logits[got[k]])
-        assert 0 <= gap <= 4 * _ulp(float(logits[expected[k]])), (name, k, gap)
+        assert abs(gap) <= 4 * _ulp(float(logits[expected[k]])), (name, k, gap)
     assert num_equal >= 3
