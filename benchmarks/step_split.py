@@ -42,9 +42,21 @@ def main() -> None:
         return out
 
     runner.execute_model = timed
+    model = runner.model
+    embed = model.embed_multimodal
+    vision: list[float] = []  # seconds per embed_multimodal call (inside the prefill steps)
+
+    def timed_embed(items):
+        t = time.perf_counter()
+        out = embed(items)
+        vision.append(time.perf_counter() - t)
+        return out
+
+    model.embed_multimodal = timed_embed
     warm = common.make_workload(args.workload, 8, seed=999, uniform_len=8, max_out=16)
     llm.generate(common.mmkit_inputs(warm, size), common.mmkit_params(warm), use_tqdm=False)
     steps.clear()
+    vision.clear()
     reqs = common.make_workload(args.workload, args.num_requests, seed=0)
     t = time.perf_counter()
     llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
@@ -55,7 +67,8 @@ def main() -> None:
     print(f"{args.workload} {args.dtype} {args.num_requests} req: wall {wall:.2f} s, {useful / wall:.1f} tok/s, "
           f"{len(steps)} steps, {sum(d for *_, d in steps):.2f} s in the runner")
     print(f"decode-only steps: {len(decode)}, {sum(d for _, d in decode):.2f} s, {sum(s for s, _ in decode)} rows")
-    print(f"steps with prefill: {len(mixed)}, {sum(d for *_, d in mixed):.2f} s, {sum(t for t, _, _ in mixed)} tokens")
+    print(f"steps with prefill: {len(mixed)}, {sum(d for *_, d in mixed):.2f} s, {sum(t for t, _, _ in mixed)} tokens"
+          f" (of which the vision encoder: {len(vision)} calls, {sum(vision):.2f} s)")
     by_size: dict[int, list[float]] = collections.defaultdict(list)
     for s, d in decode:
         by_size[1 << (s.bit_length() - 1)].append(d)
@@ -67,7 +80,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "workload": args.workload, "dtype": args.dtype, "num_requests": args.num_requests, "wall_s": wall,
-            "useful_tok_per_s": useful / wall, "steps": [{"tokens": t, "seqs": s, "s": d} for t, s, d in steps]}))
+            "vision_s": sum(vision), "useful_tok_per_s": useful / wall, "steps": [{"tokens": t, "seqs": s, "s": d} for t, s, d in steps]}))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
 # ahead of SDPA up to about a thousand keys, level with it near 2048 (2 threads, bf16 and
 # float32; benchmarks/results/round4/g/prefill_attention_by_length.log). Longer chunks keep SDPA.
 PAGED_PREFILL_MAX_CONTEXT = 1024
+# Tokens of a chunk that share one read of their context from the cache (rows of one kernel
+# work item): long enough that the read is a small part of the item, short enough that a
+# chunk still splits into work for every thread.
+PREFILL_TILE = 64
 
 
 @dataclass
@@ -218,10 +222,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # The new K/V are in the cache now, so a prefill token at position p is a decode row
         # whose context is [0, p]: one kernel call for the whole step instead of an SDPA call
         # (about 1 ms of fixed cost each on CPU, whatever the chunk's length) per chunk.
-        view = _rows_view(meta, q.shape[0], k_cache.shape[2])
-        if view is not None:
-            out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
-                                                     view.context_lens, scale)
+        rows = _rows_view(meta, q.shape[0], k_cache.shape[2])
+        if rows is not None:
+            view, tiles = rows
+            out = cpu_kernels.paged_rows_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
+                                                   view.context_lens, tiles, scale)
             if out is not None:
                 return out
     view = _decode_view(meta, sliding_window) if nd else None
@@ -236,11 +241,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int) -> DecodeView | None:
-    """The step's rows as decode rows of a global layer, or None when some chunk has
-    bidirectional spans (its queries see later keys) or a context past
-    PAGED_PREFILL_MAX_CONTEXT, or the rows are not laid out as decodes first, then the chunks
-    in order."""
+def _rows_view(meta: AttentionMetadata, num_tokens: int,
+               block_size: int) -> tuple[DecodeView, torch.Tensor] | None:
+    """The step's rows as decode rows of a global layer, with their tiles for
+    `cpu_kernels.paged_rows_attention` (each decode alone, each chunk in runs of
+    PREFILL_TILE tokens), or None when some chunk has bidirectional spans (its queries see
+    later keys) or a context past PAGED_PREFILL_MAX_CONTEXT, or the rows are not laid out as
+    decodes first, then the chunks in order."""
     if meta._rows_view:
         return meta._rows_view[0]
     view = None
@@ -261,7 +268,12 @@ def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int) -> Dec
         for c, n in zip(chunks, live):
             ids.append(F.pad(c.block_table[:n], (0, width - n)).expand(c.query_len, width))
             lens.append(torch.arange(c.context_len - c.query_len + 1, c.context_len + 1, device=c.block_table.device))
-        view = DecodeView(torch.cat(ids).reshape(-1), width, torch.cat(lens), None, True)
+        tiles = list(range(nd))
+        for c in chunks:
+            tiles.extend(range(c.query_start, c.query_start + c.query_len, PREFILL_TILE))
+        tiles.append(num_tokens)
+        view = (DecodeView(torch.cat(ids).reshape(-1), width, torch.cat(lens), None, True),
+                torch.tensor(tiles, dtype=torch.long))
     meta._rows_view.append(view)
     return view
 

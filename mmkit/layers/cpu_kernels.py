@@ -130,6 +130,8 @@ _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 _SIGNATURES = {
     "mmkit_paged_decode_attention": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                       _I64, _I64, _I64, _FLOAT, _INT, _INT], _INT),
+    "mmkit_paged_rows_attention": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                    _I64, _I64, _I64, _FLOAT, _INT, _INT], _INT),
     "mmkit_rms_norm_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT, _INT], None),
     "mmkit_rotary_bf16": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], None),
     "mmkit_silu_mul_bf16": ([_PTR, _PTR, _I64, _I64, _INT], None),
@@ -218,6 +220,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status == _OUT_OF_BOUNDS:
         raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks) or a context length "
                          f"(at most {max_blocks} x {block_size}) is out of range")
+    if status != 0:
+        raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
+    return out
+
+
+def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_ids: torch.Tensor, max_blocks: int, context_lens: torch.Tensor,
+                         tiles: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`paged_decode_attention` (global layers) over rows grouped in tiles; None when the kernel
+    cannot run. tiles: [num_tiles + 1] int64, tile i = rows [tiles[i], tiles[i + 1]), ending at
+    num_seqs. A tile of several rows must be consecutive tokens of one sequence (the same block
+    table, non-decreasing context lengths): its context is read from the cache once for all of
+    them, which is what makes prefill chunks cheap here."""
+    lib = library()
+    if lib is None or not supports(q, k_cache) or not v_cache.is_contiguous():
+        return None
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    block_ids, context_lens, tiles = block_ids.contiguous(), context_lens.contiguous(), tiles.contiguous()
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
+    status = lib.mmkit_paged_rows_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                v_cache.data_ptr(), block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), tiles.data_ptr(),
+                tiles.numel() - 1, num_seqs, num_heads, kv_heads, head_dim, num_blocks, block_size, scale,
+                _DTYPES[q.dtype], torch.get_num_threads())
+    if status == _OUT_OF_BOUNDS:
+        raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks), a context length "
+                         f"(at most {max_blocks} x {block_size}) or a row tile is out of range")
     if status != 0:
         raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
     return out

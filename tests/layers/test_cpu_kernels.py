@@ -283,8 +283,8 @@ def test_prefill_rows_through_the_decode_kernel_match_sdpa(dtype, atol, monkeypa
     from mmkit.layers import attention
 
     calls = []
-    kernel = cpu_kernels.paged_decode_attention
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    kernel = cpu_kernels.paged_rows_attention
+    monkeypatch.setattr(cpu_kernels, "paged_rows_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
     q, k, v, k_cache, v_cache, meta = _mixed_step(dtype)
     out = attention.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     assert calls == [q.shape[0]]  # one call for every row of the step
@@ -292,6 +292,59 @@ def test_prefill_rows_through_the_decode_kernel_match_sdpa(dtype, atol, monkeypa
     monkeypatch.setattr(attention, "_rows_view", lambda *a: None)  # the per-chunk SDPA path
     ref = attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+def _meta_for(ids, max_blocks, lens):
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long))
+    meta.decode_block_ids, meta.decode_max_blocks, meta.decode_context_lens = ids, max_blocks, lens
+    meta.decode_needs_mask = True
+    return meta
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 16])  # 16: no AVX-512 variant, rows one by one
+def test_row_tiles_match_rows_alone_whatever_the_tiling(dtype, dim):
+    """A tile reads its context once for all its rows and runs them as two register-blocked
+    products; every row's output is bit-identical whatever tile it is in, and equal to the
+    same row run alone (a decode of that context) up to the order of float32 sums."""
+    gen = torch.Generator().manual_seed(dim)
+    bs, heads, kv_heads = 16, 6, 2
+    cached, length = 11, 75  # a chunk of 75 tokens after 11 cached ones (tiles do not start at a block)
+    blocks = -(-(cached + length) // bs)
+    k_cache = torch.randn(kv_cache_shape(blocks + 3, bs, kv_heads, dim), generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    table = torch.randperm(blocks + 3, generator=gen)[:blocks]
+    ids = table.expand(length, blocks).reshape(-1).contiguous()
+    lens = torch.arange(cached + 1, cached + length + 1)
+    q = torch.randn(length, heads, dim, generator=gen).to(dtype)
+    alone = cpu_kernels.paged_rows_attention(q, k_cache, v_cache, ids, blocks, lens, torch.arange(length + 1), 0.3)
+    assert torch.equal(alone, cpu_kernels.paged_decode_attention(q, k_cache, v_cache, ids, blocks, lens, 0.3))
+    tiled = [cpu_kernels.paged_rows_attention(q, k_cache, v_cache, ids, blocks, lens, torch.tensor(tiles), 0.3)
+             for tiles in ([0, 32, 64, 75], [0, 2, 40, 75], [0, 75])]
+    for out in tiled:
+        assert torch.equal(out, tiled[0])
+        torch.testing.assert_close(out.float(), alone.float(), rtol=0,
+                                   atol=5e-6 if dtype == torch.float32 else 2e-2)
+    ref = decode_attention_torch(q, k_cache, v_cache, _meta_for(ids, blocks, lens), 0.3)
+    torch.testing.assert_close(tiled[0].float(), ref.float(), rtol=0, atol=5e-6 if dtype == torch.float32 else 2e-2)
+
+
+@needs_kernels
+def test_row_tiles_out_of_range_raise_in_the_checking_build(tmp_path):
+    code = (
+        "import torch\n"
+        "from mmkit.layers import cpu_kernels\n"
+        "from mmkit.layers.attention import kv_cache_shape\n"
+        "kc = torch.zeros(kv_cache_shape(4, 4, 1, 16)); vc = torch.zeros_like(kc)\n"
+        "q = torch.zeros(3, 2, 16); ids = torch.tensor([0, 1] * 3); lens = torch.tensor([3, 2, 5])\n"
+        "try:\n"
+        "    cpu_kernels.paged_rows_attention(q, kc, vc, ids, 2, lens, torch.tensor([0, 3]), 0.25)\n"
+        "except IndexError as e:\n"
+        "    print('raised', e)\n")
+    env = dict(os.environ, MMKIT_KERNEL_CHECKS="1", MMKIT_CACHE_DIR=str(tmp_path), OMP_WAIT_POLICY="PASSIVE")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "raised" in out.stdout and "row tile" in out.stdout, out.stdout + out.stderr  # lengths decrease in the tile
 
 
 @needs_kernels

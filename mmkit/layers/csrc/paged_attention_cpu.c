@@ -177,6 +177,51 @@ static inline __m512 reduce16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* exp_clamped of 16 lanes, the same operations (fused as the compiler fuses the scalar one). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+    const __m512i n_int = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_set1_epi32(0x4B400000));
+    const __m512 n = _mm512_sub_ps(shifted, _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 poly = _mm512_set1_ps(1.0f / 720.0f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(n_int, 23)));
+}
+
+/* softmax_numerators for one row of `len` scores, in 16-lane vectors with a masked tail: the
+ * compiler left the scalar loop's remainder (up to 15 calls of a scalar exp per row) unvectorized,
+ * which was a third of a prefill tile's time. bf16 rounding as softmax_numerators (finite values). */
+static inline void softmax_row512(float *sg, int64_t len, float *sum_out, const int dtype) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
+        vmx = _mm512_max_ps(vmx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, sg + t));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 vs = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), mx)));
+        vs = _mm512_add_ps(vs, e);
+        if (dtype == MMKIT_F32) {
+            _mm512_mask_storeu_ps(sg + t, m, e);
+        } else { /* round to nearest even at bit 16, as f32_to_bf16 */
+            const __m512i u = _mm512_castps_si512(e);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+            _mm512_mask_storeu_ps(sg + t, m, _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u))));
+        }
+    }
+    *sum_out = _mm512_reduce_add_ps(vs);
+}
+
 /* Up to 16 context rows starting at token t0 into dense float rows [n, 16 * NC]. */
 static inline __attribute__((always_inline)) void load_chunk(float *restrict dst, const void *cache, const int64_t *table,
                                                               int64_t t0, int64_t n, int64_t first_block_row,
@@ -267,7 +312,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     }
     /* Softmax numerators and sums per query head (normalised on the output). */
     float sums[group];
-    softmax_numerators(scores, group, max_len, len - start, sums, dtype);
+    for (int64_t g = 0; g < group; g++) softmax_row512(scores + g * max_len, len - start, sums + g, dtype);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
     for (int64_t t0 = start; t0 < len; t0 += 16) {
@@ -297,8 +342,8 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
  * long contexts need buffers past malloc's mmap threshold, which would be mapped, faulted in
  * and unmapped on every call. Returns NULL when the allocation fails. */
 static float *thread_scratch(int which, size_t count) {
-    static __thread float *buffers[3];
-    static __thread size_t sizes[3];
+    static __thread float *buffers[5];
+    static __thread size_t sizes[5];
     if (sizes[which] < count) {
         float *grown = realloc(buffers[which], count * sizeof(float));
         if (grown == NULL) return NULL;
@@ -306,6 +351,165 @@ static float *thread_scratch(int which, size_t count) {
         sizes[which] = count;
     }
     return buffers[which];
+}
+
+/* One (sequence, kv head) item, gathering its own context from the cache: the compiled
+ * variant for the head size and dtype (constant loop bounds), else the generic one. */
+static void attend_one(const Problem *p, int64_t item, float *scores, float *acc, float *rows, int64_t head_dim,
+                       int dtype) {
+    (void)acc; /* scratch of the AVX-512 variant only */
+#if defined(__AVX512F__)
+    if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_avx512(p, item, scores, acc, rows, 4, MMKIT_BF16);
+    else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_avx512(p, item, scores, acc, rows, 8, MMKIT_BF16);
+    else if (dtype == MMKIT_F32 && head_dim == 64) attend_item_avx512(p, item, scores, acc, rows, 4, MMKIT_F32);
+    else if (dtype == MMKIT_F32 && head_dim == 128) attend_item_avx512(p, item, scores, acc, rows, 8, MMKIT_F32);
+    else
+#endif
+    if (dtype == MMKIT_BF16 && head_dim == 64) attend_item(p, item, scores, rows, 64, MMKIT_BF16);
+    else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item(p, item, scores, rows, 128, MMKIT_BF16);
+    else if (dtype == MMKIT_F32 && head_dim == 64) attend_item(p, item, scores, rows, 64, MMKIT_F32);
+    else if (dtype == MMKIT_F32 && head_dim == 128) attend_item(p, item, scores, rows, 128, MMKIT_F32);
+    else if (dtype == MMKIT_BF16) attend_item(p, item, scores, rows, head_dim, MMKIT_BF16);
+    else attend_item(p, item, scores, rows, head_dim, MMKIT_F32);
+}
+
+#if defined(__AVX512F__)
+/* A tile's arithmetic as two small matrix products, register-blocked like a GEMM: the decode
+ * kernel's dot products (one query against 16 keys, then a 16-way horizontal reduction) run at
+ * about a tenth of the FMA peak, while here each loaded vector of K or V feeds QB queries.
+ *
+ * Scores of QB query vectors (qf: [QB][D], scaled, float32) against KB blocks of 16 keys from
+ * block b0 (kt: [blocks][D][16], keys along the lanes): out[q * stride + key]. Each score is a
+ * sum over d in order, whatever QB and KB, so a row's result does not depend on its tile. */
+static inline __attribute__((always_inline)) void tile_scores(float *restrict out, int64_t stride,
+                                                               const float *restrict qf, const float *restrict kt,
+                                                               int64_t b0, const int QB, const int KB, const int D) {
+    __m512 acc[6][2];
+    for (int q = 0; q < QB; q++)
+        for (int k = 0; k < KB; k++) acc[q][k] = _mm512_setzero_ps();
+    const float *kb = kt + b0 * D * 16;
+    for (int d = 0; d < D; d++) {
+        __m512 kv[2];
+        for (int k = 0; k < KB; k++) kv[k] = _mm512_loadu_ps(kb + ((int64_t)k * D + d) * 16);
+        for (int q = 0; q < QB; q++) {
+            const __m512 qb = _mm512_set1_ps(qf[q * D + d]);
+            for (int k = 0; k < KB; k++) acc[q][k] = _mm512_fmadd_ps(qb, kv[k], acc[q][k]);
+        }
+    }
+    for (int q = 0; q < QB; q++)
+        for (int k = 0; k < KB; k++) _mm512_storeu_ps(out + q * stride + 16 * (b0 + k), acc[q][k]);
+}
+
+/* out[q][D] = sum over t < len of pr[q * stride + t] * vd[t][D], t in order (QB * NC <= 24
+ * accumulators in registers). */
+static inline __attribute__((always_inline)) void tile_values(float *restrict out, const float *restrict pr,
+                                                               int64_t stride, const float *restrict vd, int64_t len,
+                                                               const int QB, const int NC) {
+    __m512 acc[6][8];
+    for (int q = 0; q < QB; q++)
+        for (int c = 0; c < NC; c++) acc[q][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        __m512 v[8];
+        for (int c = 0; c < NC; c++) v[c] = _mm512_loadu_ps(vd + t * 16 * NC + 16 * c);
+        for (int q = 0; q < QB; q++) {
+            const __m512 pb = _mm512_set1_ps(pr[q * stride + t]);
+            for (int c = 0; c < NC; c++) acc[q][c] = _mm512_fmadd_ps(pb, v[c], acc[q][c]);
+        }
+    }
+    for (int q = 0; q < QB; q++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + q * 16 * NC + 16 * c, acc[q][c]);
+}
+
+/* QB (a run-time count up to 6) as a compile-time constant for the kernels above. */
+#define MMKIT_TILE_QB(QB, CALL) \
+    switch (QB) {               \
+    case 6: CALL(6); break;     \
+    case 5: CALL(5); break;     \
+    case 4: CALL(4); break;     \
+    case 3: CALL(3); break;     \
+    case 2: CALL(2); break;     \
+    default: CALL(1); break;    \
+    }
+
+/* Rows [r0, r1) of one tile for KV head kvh (see attend_tile). The tile's context is gathered
+ * once: K transposed into blocks of 16 keys (kt), V dense (vd). The tile's query vectors (row,
+ * head of the group) then go QG at a time: scores for all of them over the keys the longest
+ * sees, each one's softmax over its own causal prefix (the rest zeroed), and P V. */
+static inline __attribute__((always_inline)) void attend_tile_avx512(const Problem *p, int64_t r0, int64_t r1,
+                                                                      int64_t kvh, float *restrict scores,
+                                                                      float *restrict rows, float *restrict kt,
+                                                                      float *restrict vd, const int NC,
+                                                                      const int dtype) {
+    const int D = 16 * NC, QG = 24 / NC;
+    const int64_t group = p->num_heads / p->num_kv_heads;
+    const int64_t len = p->context_lens[r1 - 1], nb = (len + 15) / 16, stride = nb * 16;
+    const int64_t *table = p->block_ids + r0 * p->max_blocks;
+    const int64_t first_row = kvh * p->num_blocks;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t n = len - 16 * b < 16 ? len - 16 * b : 16;
+        load_chunk(rows, p->k_cache, table, 16 * b, n, first_row, p->block_size, NC, dtype);
+        float *kb = kt + b * D * 16;
+        for (int64_t i = 0; i < 16; i++)
+            for (int d = 0; d < D; d++) kb[d * 16 + i] = i < n ? rows[i * D + d] : 0.0f;
+        load_chunk(vd + 16 * b * D, p->v_cache, table, 16 * b, n, first_row, p->block_size, NC, dtype);
+    }
+    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
+    const int64_t num_vectors = (r1 - r0) * group;
+    for (int64_t v0 = 0; v0 < num_vectors; v0 += QG) {
+        const int qn = num_vectors - v0 < QG ? (int)(num_vectors - v0) : QG;
+        float qf[6 * 128], out[6 * 128], sums[6]; /* QG * D <= 384; sized for the unused QB cases */
+        int64_t lens[6], heads[6], owners[6], longest = 0;
+        for (int j = 0; j < qn; j++) {
+            const int64_t r = r0 + (v0 + j) / group, g = (v0 + j) % group;
+            owners[j] = r;
+            heads[j] = kvh * group + g;
+            lens[j] = p->context_lens[r];
+            longest = lens[j] > longest ? lens[j] : longest;
+            load_row(qf + j * D, (const char *)p->q + r * p->q_row_stride * elem, heads[j], D, dtype);
+            for (int d = 0; d < D; d++) qf[j * D + d] *= p->scale;
+        }
+        const int64_t blocks = (longest + 15) / 16;
+        int64_t b = 0;
+#define MMKIT_SCORES2(QB) tile_scores(scores, stride, qf, kt, b, QB, 2, D)
+#define MMKIT_SCORES1(QB) tile_scores(scores, stride, qf, kt, b, QB, 1, D)
+        for (; b + 2 <= blocks; b += 2) MMKIT_TILE_QB(qn, MMKIT_SCORES2)
+        if (b < blocks) MMKIT_TILE_QB(qn, MMKIT_SCORES1)
+#undef MMKIT_SCORES2
+#undef MMKIT_SCORES1
+        for (int j = 0; j < qn; j++) {
+            float *sj = scores + j * stride;
+            softmax_row512(sj, lens[j], sums + j, dtype);
+            for (int64_t t = lens[j]; t < longest; t++) sj[t] = 0.0f; /* keys after this query's */
+        }
+#define MMKIT_VALUES(QB) tile_values(out, scores, stride, vd, longest, QB, NC)
+        MMKIT_TILE_QB(qn, MMKIT_VALUES)
+#undef MMKIT_VALUES
+        for (int j = 0; j < qn; j++)
+            store_head(p->out, (owners[j] * p->num_heads + heads[j]) * D, out + j * D, 1.0f / sums[j], D, dtype);
+    }
+}
+#endif
+
+/* Rows [r0, r1) of one tile for KV head kvh: rows of one sequence (one block table), context
+ * lengths non-decreasing, every context from row 0 (a prefill chunk's tokens in order). The
+ * tile's context is read from the cache once for all its rows (attend_tile_avx512), where the
+ * decode kernel would read it once per row. Without the AVX-512 variant for this head size,
+ * or for a tile of one row (a decode), the rows run one by one. */
+static void attend_tile(const Problem *p, int64_t r0, int64_t r1, int64_t kvh, float *scores, float *acc,
+                        float *rows, float *kt, float *vd, int64_t head_dim, int dtype) {
+#if defined(__AVX512F__)
+    if (r1 - r0 > 1 && (head_dim == 64 || head_dim == 128)) {
+        if (head_dim == 64 && dtype == MMKIT_BF16) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_BF16);
+        else if (head_dim == 64) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_F32);
+        else if (dtype == MMKIT_BF16) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_BF16);
+        else attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_F32);
+        return;
+    }
+#else
+    (void)kt;
+    (void)vd;
+#endif
+    for (int64_t r = r0; r < r1; r++) attend_one(p, r * p->num_kv_heads + kvh, scores, acc, rows, head_dim, dtype);
 }
 
 /* Returns 0 on success, 1 when a scratch buffer could not be allocated, 2 (bounds-checking
@@ -358,19 +562,68 @@ int mmkit_paged_decode_attention(
 #pragma omp atomic read
             stop = failed;
             if (stop) continue;
-#if defined(__AVX512F__)
-            if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_avx512(&p, item, scores, acc, rows, 4, MMKIT_BF16);
-            else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_avx512(&p, item, scores, acc, rows, 8, MMKIT_BF16);
-            else if (dtype == MMKIT_F32 && head_dim == 64) attend_item_avx512(&p, item, scores, acc, rows, 4, MMKIT_F32);
-            else if (dtype == MMKIT_F32 && head_dim == 128) attend_item_avx512(&p, item, scores, acc, rows, 8, MMKIT_F32);
-            else
+            attend_one(&p, item, scores, acc, rows, head_dim, dtype);
+        }
+    }
+    return failed;
+}
+
+/* The paged kernel over rows grouped in tiles: tile i is rows [tiles[i], tiles[i + 1]) (tiles
+ * has num_tiles + 1 entries, tiles[num_tiles] = num_seqs). A tile of one row is a decode row;
+ * a longer tile holds consecutive tokens of one prefill chunk (see attend_tile). Arguments
+ * otherwise as mmkit_paged_decode_attention, without context_starts (global layers only).
+ * Returns 0, 1 (no scratch) or 2 (checking build: a bad block id, length or tile). */
+int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, const void *k_cache,
+                               const void *v_cache, const int64_t *block_ids, int64_t max_blocks,
+                               const int64_t *context_lens, const int64_t *tiles, int64_t num_tiles,
+                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads) {
+    const Problem p = {out, q, q_row_stride, k_cache, v_cache, block_ids, max_blocks, context_lens, NULL,
+                       num_heads, num_kv_heads, num_blocks, block_size, scale};
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t num_items = num_tiles * num_kv_heads;
+    int failed = 0;
+#ifdef MMKIT_KERNEL_CHECKS
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || tiles[0] != 0 || tiles[num_tiles] != num_seqs) return 2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = context_lens[s];
+        if (len < 1 || len > max_blocks * block_size) return 2;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+            const int64_t id = block_ids[s * max_blocks + b];
+            if (id < 0 || id >= num_blocks) return 2;
+        }
+    }
+    for (int64_t i = 0; i < num_tiles; i++) {
+        if (tiles[i + 1] <= tiles[i]) return 2;
+        for (int64_t s = tiles[i] + 1; s < tiles[i + 1]; s++) {
+            if (context_lens[s] < context_lens[s - 1]) return 2;
+            for (int64_t b = 0; b < max_blocks; b++)
+                if (block_ids[s * max_blocks + b] != block_ids[tiles[i] * max_blocks + b]) return 2;
+        }
+    }
 #endif
-            if (dtype == MMKIT_BF16 && head_dim == 64) attend_item(&p, item, scores, rows, 64, MMKIT_BF16);
-            else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item(&p, item, scores, rows, 128, MMKIT_BF16);
-            else if (dtype == MMKIT_F32 && head_dim == 64) attend_item(&p, item, scores, rows, 64, MMKIT_F32);
-            else if (dtype == MMKIT_F32 && head_dim == 128) attend_item(&p, item, scores, rows, 128, MMKIT_F32);
-            else if (dtype == MMKIT_BF16) attend_item(&p, item, scores, rows, head_dim, MMKIT_BF16);
-            else attend_item(&p, item, scores, rows, head_dim, MMKIT_F32);
+#pragma omp parallel num_threads(num_threads) if (num_seqs * num_kv_heads * max_blocks * block_size * head_dim >= (1 << 18))
+    {
+        const size_t context = (size_t)(max_blocks * block_size);
+        /* scores: a decode's group of heads, or a tile's QG (<= 6) query vectors */
+        float *scores = thread_scratch(0, (size_t)(group > 6 ? group : 6) * (context + 16));
+        float *rows = thread_scratch(1, (context + 16) * (size_t)head_dim);
+        float *acc = thread_scratch(2, (size_t)(group * head_dim));
+        float *kt = thread_scratch(3, (context + 16) * (size_t)head_dim);
+        float *vd = thread_scratch(4, (context + 16) * (size_t)head_dim);
+        if (!scores || !rows || !acc || !kt || !vd) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Items are (tile, kv head), longest contexts last in a chunk: dynamic, one at a time. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) continue;
+            const int64_t t = item / num_kv_heads, kvh = item % num_kv_heads;
+            attend_tile(&p, tiles[t], tiles[t + 1], kvh, scores, acc, rows, kt, vd, head_dim, dtype);
         }
     }
     return failed;
