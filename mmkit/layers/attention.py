@@ -34,10 +34,11 @@ from mmkit.layers import cpu_kernels
 
 # `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
 _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
-# The decode kernel reads a row's whole context per query (no tile reuse across queries):
-# ahead of SDPA up to about a thousand keys, level with it near 2048 (2 threads, bf16 and
-# float32; benchmarks/results/round4/g/prefill_attention_by_length.log). Longer chunks keep SDPA.
-PAGED_PREFILL_MAX_CONTEXT = 1024
+# Chunks with longer contexts keep SDPA: the kernel's per-thread scratch (the tile's context
+# in float32, three copies) grows with the context. Up to here it was measured ahead of SDPA:
+# 0.26-0.48x its time from 64 to 8192 keys, 2 threads, bf16 and float32
+# (benchmarks/prefill_attention.py; benchmarks/results/round4/h/prefill_attention.log).
+PAGED_PREFILL_MAX_CONTEXT = 8192
 # Tokens of a chunk that share one read of their context from the cache (rows of one kernel
 # work item): long enough that the read is a small part of the item, short enough that a
 # chunk still splits into work for every thread.
