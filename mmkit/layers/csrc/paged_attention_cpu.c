@@ -265,8 +265,23 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *cac
     }
 }
 
-/* attend_item for head_dim = 16 * NC with AVX-512: rows are staged 16 at a time (L1), the
- * 16 scores of a chunk are reduced together, the accumulators live in registers per chunk. */
+/* Cache rows of context tokens [t0, t0 + n): rows[i] = the row index of token t0 + i. */
+static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, const int64_t *table, int64_t t0,
+                                                               int64_t n, int64_t first_block_row,
+                                                               int64_t block_size) {
+    int64_t b = t0 / block_size, off = t0 % block_size;
+    for (int64_t i = 0; i < n; i++) {
+        slots[i] = (first_block_row + table[b]) * block_size + off;
+        if (++off == block_size) {
+            off = 0;
+            b++;
+        }
+    }
+}
+
+/* attend_item for head_dim = 16 * NC with AVX-512: bf16 rows are widened and staged 16 at a
+ * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together, the
+ * accumulators live in registers per chunk. */
 static inline __attribute__((always_inline)) void attend_item_avx512(const Problem *p, int64_t item,
                                                                       float *restrict scores, float *restrict acc_all,
                                                                       float *restrict rows, const int NC,
@@ -296,7 +311,15 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
         else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
-        load_chunk(rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
+        const float *rp[16]; /* the chunk's K rows as float32 */
+        if (dtype == MMKIT_F32) {
+            int64_t slots[16];
+            chunk_slots(slots, table, t0, n, first_row, p->block_size);
+            for (int64_t i = 0; i < n; i++) rp[i] = (const float *)p->k_cache + slots[i] * head_dim;
+        } else {
+            load_chunk(rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
+            for (int64_t i = 0; i < n; i++) rp[i] = rows + i * head_dim;
+        }
         for (int64_t g = 0; g < group; g++) {
             __m512 q[NC];
             for (int c = 0; c < NC; c++) q[c] = _mm512_loadu_ps(qf + g * head_dim + 16 * c);
@@ -304,7 +327,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
             for (int64_t i = 0; i < 16; i++) {
                 __m512 a = _mm512_setzero_ps();
                 if (i < n)
-                    for (int c = 0; c < NC; c++) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(rows + i * head_dim + 16 * c), a);
+                    for (int c = 0; c < NC; c++) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(rp[i] + 16 * c), a);
                 part[i] = a;
             }
             _mm512_mask_storeu_ps(scores + g * max_len + (t0 - start), (__mmask16)((1u << n) - 1u), reduce16(part));
@@ -319,14 +342,22 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (ahead > 0) prefetch_chunk(p->v_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        load_chunk(rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
+        const float *rp[16]; /* the chunk's V rows as float32 */
+        if (dtype == MMKIT_F32) {
+            int64_t slots[16];
+            chunk_slots(slots, table, t0, n, first_row, p->block_size);
+            for (int64_t i = 0; i < n; i++) rp[i] = (const float *)p->v_cache + slots[i] * head_dim;
+        } else {
+            load_chunk(rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
+            for (int64_t i = 0; i < n; i++) rp[i] = rows + i * head_dim;
+        }
         for (int64_t g = 0; g < group; g++) {
             const float *sg = scores + g * max_len + (t0 - start);
             __m512 a[NC];
             for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(acc_all + g * head_dim + 16 * c);
             for (int64_t i = 0; i < n; i++) {
                 const __m512 pr = _mm512_set1_ps(sg[i]);
-                for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(rows + i * head_dim + 16 * c), a[c]);
+                for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(rp[i] + 16 * c), a[c]);
             }
             for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc_all + g * head_dim + 16 * c, a[c]);
         }
@@ -357,20 +388,6 @@ static float *thread_scratch(int which, size_t count) {
 #define BF16DP_DECODE 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* Cache rows of context tokens [t0, t0 + n): rows[i] = the row index of token t0 + i. */
-static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, const int64_t *table, int64_t t0,
-                                                               int64_t n, int64_t first_block_row,
-                                                               int64_t block_size) {
-    int64_t b = t0 / block_size, off = t0 % block_size;
-    for (int64_t i = 0; i < n; i++) {
-        slots[i] = (first_block_row + table[b]) * block_size + off;
-        if (++off == block_size) {
-            off = 0;
-            b++;
-        }
-    }
-}
-
 /* attend_item_avx512 for bf16 on CPUs with AVX512-BF16: the cache rows are used as bf16, never
  * widened and staged (that widening was about half of the decode kernel's time). Scores are
  * q . k by VDPBF16PS (bf16 products are exact in float32; sums in float32), then times the
