@@ -217,3 +217,14 @@ def test_every_parser_refuses_abbreviations():
         out = mmkit(sub, "x", flag, "1")
         assert out.returncode == 2 and f"usage: mmkit {sub}" in out.stderr, out.stderr
         assert f"(did you mean {suggestion}?)" in out.stderr, out.stderr
+
+
+def test_version_and_a_misspelt_top_level_flag():
+    from mmkit import __version__
+
+    out = mmkit("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"mmkit {__version__}"
+    out = mmkit("--verison")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("usage: mmkit [-h] [--version] COMMAND")
+    assert "unrecognized arguments: --verison (did you mean --version?)" in out.stderr  # not "COMMAND is required"

@@ -40,7 +40,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmkit import __version__
+
     parser = Parser(prog="mmkit", description="Run vision-language models offline.")
+    parser.add_argument("--version", action="version", version=f"mmkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("caption", help="print one caption per image",
                        description="Caption each image (one line per image).")

@@ -26,7 +26,18 @@ class Parser(argparse.ArgumentParser):
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):
-        if self._subparsers is None and args is not None:
+        if args is None:
+            args = sys.argv[1:]
+        if self._subparsers is not None:
+            # Flags before the command are the top-level parser's own (--help, --version): a
+            # misspelt one is named here, not reported as "COMMAND is required".
+            known = set(self.flags())
+            for arg in args:
+                if not arg.startswith("-") or arg == "--":
+                    break
+                if arg.startswith("--") and arg.split("=", 1)[0] not in known:
+                    self.unknown_arguments([arg])
+        if self._subparsers is None:
             # A misspelt flag first: otherwise "--outptu r" is reported as "--output is required".
             known = set(self.flags())
             for arg in args:
