@@ -191,6 +191,15 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k_cache.is_contiguous())
 
 
+def _check_attention_status(status: int, num_blocks: int, max_blocks: int, block_size: int, tiles: str) -> None:
+    """Raise for an attention kernel's nonzero status (csrc/paged_attention_cpu.c::run_rows)."""
+    if status == _OUT_OF_BOUNDS:
+        raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks), a context length "
+                         f"(at most {max_blocks} x {block_size}){tiles} is out of range")
+    if status != 0:
+        raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_ids: torch.Tensor, max_blocks: int, context_lens: torch.Tensor,
                            scale: float, context_starts: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -217,11 +226,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = lib.mmkit_paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                 block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), starts_ptr, num_seqs, num_heads, kv_heads,
                 head_dim, num_blocks, block_size, scale, _DTYPES[q.dtype], torch.get_num_threads())
-    if status == _OUT_OF_BOUNDS:
-        raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks) or a context length "
-                         f"(at most {max_blocks} x {block_size}) is out of range")
-    if status != 0:
-        raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
+    _check_attention_status(status, num_blocks, max_blocks, block_size, "")
     return out
 
 
@@ -244,11 +249,7 @@ def paged_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 v_cache.data_ptr(), block_ids.data_ptr(), max_blocks, context_lens.data_ptr(), tiles.data_ptr(),
                 tiles.numel() - 1, num_seqs, num_heads, kv_heads, head_dim, num_blocks, block_size, scale,
                 _DTYPES[q.dtype], torch.get_num_threads())
-    if status == _OUT_OF_BOUNDS:
-        raise IndexError(f"mmkit: paged attention: a block id (of {num_blocks} blocks), a context length "
-                         f"(at most {max_blocks} x {block_size}) or a row tile is out of range")
-    if status != 0:
-        raise MemoryError("mmkit: the CPU attention kernel could not allocate its scratch buffers")
+    _check_attention_status(status, num_blocks, max_blocks, block_size, " or a row tile")
     return out
 
 

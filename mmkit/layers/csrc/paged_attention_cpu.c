@@ -279,6 +279,22 @@ static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, co
     }
 }
 
+/* rp[i] = context row t0 + i (i < n) as float32: in place for float32 caches, else widened into
+ * `rows` (16 * NC floats a row). */
+static inline __attribute__((always_inline)) void chunk_rows(const float **rp, float *rows, const void *cache,
+                                                              const int64_t *table, int64_t t0, int64_t n,
+                                                              int64_t first_block_row, int64_t block_size,
+                                                              const int NC, const int dtype) {
+    if (dtype == MMKIT_F32) {
+        int64_t slots[16];
+        chunk_slots(slots, table, t0, n, first_block_row, block_size);
+        for (int64_t i = 0; i < n; i++) rp[i] = (const float *)cache + slots[i] * 16 * NC;
+    } else {
+        load_chunk(rows, cache, table, t0, n, first_block_row, block_size, NC, dtype);
+        for (int64_t i = 0; i < n; i++) rp[i] = rows + i * 16 * NC;
+    }
+}
+
 /* attend_item for head_dim = 16 * NC with AVX-512: bf16 rows are widened and staged 16 at a
  * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together, the
  * accumulators live in registers per chunk. */
@@ -312,14 +328,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
         else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's K rows as float32 */
-        if (dtype == MMKIT_F32) {
-            int64_t slots[16];
-            chunk_slots(slots, table, t0, n, first_row, p->block_size);
-            for (int64_t i = 0; i < n; i++) rp[i] = (const float *)p->k_cache + slots[i] * head_dim;
-        } else {
-            load_chunk(rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
-            for (int64_t i = 0; i < n; i++) rp[i] = rows + i * head_dim;
-        }
+        chunk_rows(rp, rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
             __m512 q[NC];
             for (int c = 0; c < NC; c++) q[c] = _mm512_loadu_ps(qf + g * head_dim + 16 * c);
@@ -343,14 +352,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (ahead > 0) prefetch_chunk(p->v_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's V rows as float32 */
-        if (dtype == MMKIT_F32) {
-            int64_t slots[16];
-            chunk_slots(slots, table, t0, n, first_row, p->block_size);
-            for (int64_t i = 0; i < n; i++) rp[i] = (const float *)p->v_cache + slots[i] * head_dim;
-        } else {
-            load_chunk(rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
-            for (int64_t i = 0; i < n; i++) rp[i] = rows + i * head_dim;
-        }
+        chunk_rows(rp, rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
             const float *sg = scores + g * max_len + (t0 - start);
             __m512 a[NC];
@@ -646,8 +648,77 @@ static void attend_tile(const Problem *p, int64_t r0, int64_t r1, int64_t kvh, f
     for (int64_t r = r0; r < r1; r++) attend_one(p, r * p->num_kv_heads + kvh, scores, acc, rows, head_dim, dtype);
 }
 
-/* Returns 0 on success, 1 when a scratch buffer could not be allocated, 2 (bounds-checking
- * build, -DMMKIT_KERNEL_CHECKS) when a block id or context length is out of range. */
+/* Both entry points below: rows [0, num_seqs) of the problem, each alone (tiles NULL: one work
+ * item per row and KV head) or grouped in tiles (one item per tile and KV head). Returns 0, 1
+ * when a scratch buffer could not be allocated, 2 (bounds-checking build, -DMMKIT_KERNEL_CHECKS)
+ * when a block id, a context length or a tile is out of range. */
+static int run_rows(const Problem *p, const int64_t *tiles, int64_t num_tiles, int64_t num_seqs,
+                    int64_t head_dim, int dtype, int num_threads) {
+    const int64_t group = p->num_heads / p->num_kv_heads;
+    const int64_t max_blocks = p->max_blocks, block_size = p->block_size, nkv = p->num_kv_heads;
+    const int64_t num_items = (tiles ? num_tiles : num_seqs) * nkv;
+    int failed = 0;
+#ifdef MMKIT_KERNEL_CHECKS
+    /* Every block a context reads must exist, before any thread reads one. */
+    if (nkv <= 0 || p->num_heads % nkv != 0) return 2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t len = p->context_lens[s];
+        if (len < 1 || len > max_blocks * block_size) return 2;
+        if (p->context_starts && (p->context_starts[s] < 0 || p->context_starts[s] >= len)) return 2;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+            const int64_t id = p->block_ids[s * max_blocks + b];
+            if (id < 0 || id >= p->num_blocks) return 2;
+        }
+    }
+    if (tiles) { /* tiles partition the rows; a tile's rows share a table, lengths non-decreasing */
+        if (tiles[0] != 0 || tiles[num_tiles] != num_seqs) return 2;
+        for (int64_t i = 0; i < num_tiles; i++) {
+            if (tiles[i + 1] <= tiles[i]) return 2;
+            for (int64_t s = tiles[i] + 1; s < tiles[i + 1]; s++) {
+                if (p->context_lens[s] < p->context_lens[s - 1]) return 2;
+                for (int64_t b = 0; b < max_blocks; b++)
+                    if (p->block_ids[s * max_blocks + b] != p->block_ids[tiles[i] * max_blocks + b]) return 2;
+            }
+        }
+    }
+#endif
+
+    /* A small batch (a few short sequences) runs on the calling thread: waking OpenMP's
+     * sleeping worker (OMP_WAIT_POLICY=PASSIVE) costs more than its share of the work. */
+#pragma omp parallel num_threads(num_threads) if (num_seqs * nkv * max_blocks * block_size * head_dim >= (1 << 18))
+    {
+        const size_t context = (size_t)(max_blocks * block_size) + 16;
+        /* scores: a row's group of heads, or a tile's QG (<= 6) query vectors */
+        float *scores = thread_scratch(0, (size_t)(group > 6 ? group : 6) * context);
+        float *rows = thread_scratch(1, context * (size_t)head_dim);
+        float *acc = thread_scratch(2, (size_t)(group * head_dim));
+        /* a tile's context, K transposed and V dense (rows alone never need them) */
+        float *kt = tiles ? thread_scratch(3, context * (size_t)head_dim) : NULL;
+        float *vd = tiles ? thread_scratch(4, context * (size_t)head_dim) : NULL;
+        if (!scores || !rows || !acc || (tiles && (!kt || !vd))) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Every thread reaches the loop: a worksharing construct must be met by all. Tiles
+         * grow longer along a chunk, so they are handed out one at a time. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) continue;
+            if (tiles) {
+                const int64_t t = item / nkv, kvh = item % nkv;
+                attend_tile(p, tiles[t], tiles[t + 1], kvh, scores, acc, rows, kt, vd, head_dim, dtype);
+            } else {
+                attend_one(p, item, scores, acc, rows, head_dim, dtype);
+            }
+        }
+    }
+    return failed;
+}
+
+/* Returns as run_rows. */
 int mmkit_paged_decode_attention(
     void *out,                   /* [num_seqs, num_heads, head_dim], contiguous */
     const void *q,               /* sequence s, head h at q + s * q_row_stride + h * head_dim */
@@ -661,52 +732,14 @@ int mmkit_paged_decode_attention(
     int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads) {
     const Problem p = {out, q, q_row_stride, k_cache, v_cache, block_ids, max_blocks, context_lens, context_starts,
                        num_heads, num_kv_heads, num_blocks, block_size, scale};
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t num_items = num_seqs * num_kv_heads;
-    int failed = 0;
-#ifdef MMKIT_KERNEL_CHECKS
-    /* Every block a context reads must exist, before any thread reads one. */
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t len = context_lens[s];
-        if (len < 1 || len > max_blocks * block_size) return 2;
-        if (context_starts && (context_starts[s] < 0 || context_starts[s] >= len)) return 2;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
-            const int64_t id = block_ids[s * max_blocks + b];
-            if (id < 0 || id >= num_blocks) return 2;
-        }
-    }
-#endif
-
-    /* A small batch (a few short sequences) runs on the calling thread: waking OpenMP's
-     * sleeping worker (OMP_WAIT_POLICY=PASSIVE) costs more than its share of the work. */
-#pragma omp parallel num_threads(num_threads) if (num_items * max_blocks * block_size * head_dim >= (1 << 18))
-    {
-        float *scores = thread_scratch(0, (size_t)(group * max_blocks * block_size));
-        float *rows = thread_scratch(1, (size_t)(max_blocks * block_size * head_dim));
-        float *acc = thread_scratch(2, (size_t)(group * head_dim));
-        if (!scores || !rows || !acc) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Every thread reaches the loop: a worksharing construct must be met by all. */
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < num_items; item++) {
-            int stop;
-#pragma omp atomic read
-            stop = failed;
-            if (stop) continue;
-            attend_one(&p, item, scores, acc, rows, head_dim, dtype);
-        }
-    }
-    return failed;
+    return run_rows(&p, NULL, 0, num_seqs, head_dim, dtype, num_threads);
 }
 
 /* The paged kernel over rows grouped in tiles: tile i is rows [tiles[i], tiles[i + 1]) (tiles
  * has num_tiles + 1 entries, tiles[num_tiles] = num_seqs). A tile of one row is a decode row;
  * a longer tile holds consecutive tokens of one prefill chunk (see attend_tile). Arguments
  * otherwise as mmkit_paged_decode_attention, without context_starts (global layers only).
- * Returns 0, 1 (no scratch) or 2 (checking build: a bad block id, length or tile). */
+ * Returns as run_rows. */
 int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, const void *k_cache,
                                const void *v_cache, const int64_t *block_ids, int64_t max_blocks,
                                const int64_t *context_lens, const int64_t *tiles, int64_t num_tiles,
@@ -714,51 +747,5 @@ int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, c
                                int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads) {
     const Problem p = {out, q, q_row_stride, k_cache, v_cache, block_ids, max_blocks, context_lens, NULL,
                        num_heads, num_kv_heads, num_blocks, block_size, scale};
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t num_items = num_tiles * num_kv_heads;
-    int failed = 0;
-#ifdef MMKIT_KERNEL_CHECKS
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || tiles[0] != 0 || tiles[num_tiles] != num_seqs) return 2;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t len = context_lens[s];
-        if (len < 1 || len > max_blocks * block_size) return 2;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
-            const int64_t id = block_ids[s * max_blocks + b];
-            if (id < 0 || id >= num_blocks) return 2;
-        }
-    }
-    for (int64_t i = 0; i < num_tiles; i++) {
-        if (tiles[i + 1] <= tiles[i]) return 2;
-        for (int64_t s = tiles[i] + 1; s < tiles[i + 1]; s++) {
-            if (context_lens[s] < context_lens[s - 1]) return 2;
-            for (int64_t b = 0; b < max_blocks; b++)
-                if (block_ids[s * max_blocks + b] != block_ids[tiles[i] * max_blocks + b]) return 2;
-        }
-    }
-#endif
-#pragma omp parallel num_threads(num_threads) if (num_seqs * num_kv_heads * max_blocks * block_size * head_dim >= (1 << 18))
-    {
-        const size_t context = (size_t)(max_blocks * block_size);
-        /* scores: a decode's group of heads, or a tile's QG (<= 6) query vectors */
-        float *scores = thread_scratch(0, (size_t)(group > 6 ? group : 6) * (context + 16));
-        float *rows = thread_scratch(1, (context + 16) * (size_t)head_dim);
-        float *acc = thread_scratch(2, (size_t)(group * head_dim));
-        float *kt = thread_scratch(3, (context + 16) * (size_t)head_dim);
-        float *vd = thread_scratch(4, (context + 16) * (size_t)head_dim);
-        if (!scores || !rows || !acc || !kt || !vd) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Items are (tile, kv head), longest contexts last in a chunk: dynamic, one at a time. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; item++) {
-            int stop;
-#pragma omp atomic read
-            stop = failed;
-            if (stop) continue;
-            const int64_t t = item / num_kv_heads, kvh = item % num_kv_heads;
-            attend_tile(&p, tiles[t], tiles[t + 1], kvh, scores, acc, rows, kt, vd, head_dim, dtype);
-        }
-    }
-    return failed;
+    return run_rows(&p, tiles, num_tiles, num_seqs, head_dim, dtype, num_threads);
 }
