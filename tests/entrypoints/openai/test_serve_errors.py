@@ -81,6 +81,15 @@ def server(media_dir):
 
 
 @pytest.fixture(scope="module")
+def slow_server():
+    """Engine steps 25 ms slower (serve_utils.ServerProcess): a 400-token answer lasts 10 s, so a
+    client can leave mid-answer however fast the machine (the embedded model writes 400 in <1 s)."""
+    proc = ServerProcess("--api-key", KEY, "--served-model-name", "mm", step_delay_s=0.025)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
 
@@ -235,7 +244,8 @@ def test_unknown_fields_are_ignored_and_unknown_routes_are_404(server, client):
     check_error(httpx.get(server.base_url + "/nothing-here", headers=AUTH), 404)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+def test_disconnect_mid_stream_aborts_and_frees_blocks(slow_server):
+    server = slow_server
     before = scrape(server.url, AUTH)
     body = {**chat([{"type": "image_url", "image_url": {"url": RED}}, {"type": "text", "text": "Describe."}]),
             "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -295,7 +305,8 @@ def test_fuzz_chat_endpoint_never_answers_5xx(server, body):
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
-def test_disconnect_before_a_whole_answer_aborts_it(server, path):
+def test_disconnect_before_a_whole_answer_aborts_it(slow_server, path):
+    server = slow_server
     before = scrape(server.url, AUTH)
     body = {"model": "mm", "max_tokens": 400, "ignore_eos": True}
     body.update({"messages": [{"role": "user", "content": "Describe."}]} if path == "/chat/completions"
