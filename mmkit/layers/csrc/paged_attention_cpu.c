@@ -386,9 +386,6 @@ static float *thread_scratch(int which, size_t count) {
     return buffers[which];
 }
 
-#ifndef BF16DP_DECODE
-#define BF16DP_DECODE 1
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* attend_item_avx512 for bf16 on CPUs with AVX512-BF16: the cache rows are used as bf16, never
  * widened and staged (that widening was about half of the decode kernel's time). Scores are
@@ -491,8 +488,8 @@ static void attend_one(const Problem *p, int64_t item, float *scores, float *acc
     (void)acc; /* scratch of the AVX-512 variant only */
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-    if (dtype == MMKIT_BF16 && head_dim == 64 && BF16DP_DECODE) attend_item_bf16dp(p, item, scores, acc, 4);
-    else if (dtype == MMKIT_BF16 && head_dim == 128 && BF16DP_DECODE) attend_item_bf16dp(p, item, scores, acc, 8);
+    if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_bf16dp(p, item, scores, acc, 4);
+    else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_bf16dp(p, item, scores, acc, 8);
     else
 #endif
     if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_avx512(p, item, scores, acc, rows, 4, MMKIT_BF16);
