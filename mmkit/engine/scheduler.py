@@ -263,15 +263,21 @@ class Scheduler:
         # NOTE: while running requests fill the step, a waiting request whose images are
         # still being prepared waits (the forward pass never waits for PIL). With nothing
         # running the step waits anyway: the requests it will likely admit get all their
-        # images started at once, so they are prepared side by side (the engine thread
-        # waits for the workers' content hashes). Arrival order is kept.
+        # images started at once, so they are prepared side by side, and the step waits for
+        # every one of them (the engine thread waits for the workers' content hashes). So a
+        # batch given to an idle engine is admitted as the synchronous path admits it,
+        # whatever the workers' speed: one prefill for all, and the same preemptions on any
+        # host. Arrival order is kept.
         idle = token_budget == self.config.max_num_batched_tokens
+        started: set[str] = set()
         if idle and self.preprocess is not None:
-            self.preprocess.start_now(self._likely_admitted(token_budget))
+            likely = self._likely_admitted(token_budget)
+            self.preprocess.start_now(likely)
+            started = set(likely)
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
-                if not idle or plan.admitted:
+                if seq.group.request_id not in started:
                     break
                 # The workers are on it: the engine thread would only compete for the cores.
                 self.preprocess.wait(seq.group.request_id)

@@ -206,8 +206,8 @@ def test_workers_run_torch_on_one_openmp_thread(tiny_ckpt):
 
 def test_idle_step_starts_every_image_it_will_admit(tiny_ckpt):
     """With nothing running, the images of the requests the step will likely admit are all
-    started at once, past the lookahead (prepared side by side, not one by one); the step
-    waits for the first request only and admits the others as they become ready."""
+    started at once, past the lookahead (prepared side by side, not one by one), and the step
+    waits for them all: it admits the four together, as the synchronous path does."""
     llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=1)
     engine = llm.llm_engine
     submitted = []
@@ -225,6 +225,7 @@ def test_idle_step_starts_every_image_it_will_admit(tiny_ckpt):
     assert submitted == ["r0"]  # the lookahead alone: one image ahead
     engine.step()
     assert sorted(set(submitted)) == ["r0", "r1", "r2", "r3"]  # all four started by the idle step
+    assert len(engine.scheduler.running) == 4  # and admitted by it, whatever the workers' speed
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
