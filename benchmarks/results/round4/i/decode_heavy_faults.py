@@ -1,3 +1,6 @@
+"""Round 4i evidence: decode-heavy bf16 throughput, minor faults and sys time over the timed
+`generate` only; MO=1 applies mallopt before torch loads; --perf FILE records perf over it.
+Run from the repository root: python benchmarks/results/round4/i/decode_heavy_faults.py [--perf F]"""
 import sys, os, time, subprocess, signal, gc, ctypes
 if os.environ.get("MO"):
     libc = ctypes.CDLL("libc.so.6"); print("mallopt", libc.mallopt(-3, 32 << 20), libc.mallopt(-1, 1 << 30), libc.mallopt(-2, 64 << 20))
