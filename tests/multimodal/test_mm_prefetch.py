@@ -218,6 +218,13 @@ def test_idle_step_starts_every_image_it_will_admit(tiny_ckpt):
         return original(request_id, item)
 
     engine.prefetcher._submit = recording
+    slow_process = engine.prefetcher._process
+
+    def slow(item):  # slow workers: the step must wait for them, not admit r0 alone
+        time.sleep(0.2)
+        return slow_process(item)
+
+    engine.prefetcher._process = slow
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     batch = [{"prompt": PROMPT, "multi_modal_data": {"image": make_image(i, 40 + i, 30)}} for i in range(4)]
     for i, prompt in enumerate(batch):
