@@ -105,6 +105,8 @@ def add_common_args(p) -> None:
                    help="mmkit only: online weight-only quantization of the decoder's linear layers")
     p.add_argument("--large-images", action="store_true",
                    help="1024x768 photos (assets/photos, a distinct crop per request) instead of small random images")
+    p.add_argument("--kv-cache-preallocate", action="store_true",
+                   help="mmkit only: commit the whole KV cache at start-up (kv_cache_preallocate=True)")
 
 
 def set_threads(n: int) -> None:
@@ -156,6 +158,8 @@ def setup(args, model_dir: str | None = None):
         llm_kwargs["async_preprocess"] = False
     if getattr(args, "quantization", None):
         llm_kwargs["quantization"] = args.quantization
+    if getattr(args, "kv_cache_preallocate", False):
+        llm_kwargs["kv_cache_preallocate"] = True
     return model_dir, image_size_of(model_dir), build_llm(model_dir, args.dtype, **llm_kwargs)
 
 

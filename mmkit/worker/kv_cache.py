@@ -40,17 +40,28 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) ->
     return int(num_blocks)
 
 
-def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
+                       preallocate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # One (K, V) pair per layer: [num_kv_heads, num_blocks, block_size, head_dim] (heads first,
     # see mmkit/layers/attention.py). Zero-filled: padded positions are masked, and a zero
     # (never NaN) value times a zero weight keeps the output finite.
     shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
     zeros = _lazy_zeros if model.device.type == "cpu" else torch.zeros
-    return [
+    caches = [
         (zeros(shape, dtype=model.dtype, device=model.device),
          zeros(shape, dtype=model.dtype, device=model.device))
         for _ in range(model.num_layers)
     ]
+    if preallocate and model.device.type == "cpu":
+        # Writing the zeros commits every page now, on torch's threads. Committing a fresh page
+        # costs microseconds (1.5-9 us on the benchmark host), and lazily it is paid inside the
+        # step that first writes a block, on one thread: ~1 s of a 10 s decode-heavy run
+        # (benchmarks/README.md, round 4j). Blocks freed with a prefix-cache hash are kept, so
+        # a lazy cache keeps taking fresh blocks until the whole budget has been written once.
+        for pair in caches:
+            for cache in pair:
+                cache.zero_()
+    return caches
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -51,7 +51,8 @@ class ModelRunner:
         self.uses_mrope = uses_mrope(self.model)
         self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size,
+                                            preallocate=config.cache.kv_cache_preallocate)
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)

@@ -58,3 +58,50 @@ def test_kv_cache_is_not_advised_huge_pages():
     assert "hg" not in _vm_flags(cache.data_ptr() + cache.nbytes // 2)
     after = switch(before)
     assert after == before
+
+
+def test_preallocated_kv_cache_is_resident_and_zero():
+    """`kv_cache_preallocate=True` commits the whole cache at start-up (vLLM CPU's way): the
+    resident set grows by its size before any block is written, and it still reads as zeros."""
+    from types import SimpleNamespace
+
+    from mmkit.worker.kv_cache import allocate_kv_caches
+
+    model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                            device=torch.device("cpu"))
+    before = _rss_mb()
+    lazy = allocate_kv_caches(model, num_blocks=2048, block_size=16)  # 2 x 2 x 16 MiB
+    assert _rss_mb() - before < 16
+    del lazy
+    before = _rss_mb()
+    caches = allocate_kv_caches(model, num_blocks=2048, block_size=16, preallocate=True)
+    assert _rss_mb() - before > 0.9 * 64
+    assert len(caches) == 2 and all(not c.any() for pair in caches for c in pair)
+    assert caches[0][0].shape == (2, 2048, 16, 64)
+
+
+def test_kv_cache_preallocate_must_be_bool():
+    import pytest
+
+    from mmkit.config import EngineArgs
+
+    with pytest.raises(TypeError, match="kv_cache_preallocate: got str; expected bool"):
+        EngineArgs(model="x", kv_cache_preallocate="yes").create_engine_config()
+
+
+def test_llm_with_preallocated_kv_cache_matches_hf(tiny_ckpt):
+    """The engine path: `LLM(kv_cache_preallocate=True)` holds a resident, zeroed cache and
+    generates transformers' greedy ids."""
+    from mmkit import LLM, SamplingParams
+    from conftest import hf_greedy, make_image
+
+    llm = LLM(str(tiny_ckpt), dtype="float32", kv_cache_memory=8 << 20, kv_cache_preallocate=True)
+    assert llm.llm_engine.config.cache.kv_cache_preallocate is True
+    k = llm.llm_engine.model_runner.kv_caches[0][0]
+    assert not k.any()
+    image = make_image(3)
+    ref = hf_greedy(str(tiny_ckpt), prompt="USER: <image>\nWhat is it? ASSISTANT:", images=[image],
+                    max_new_tokens=8, ignore_eos=True)
+    out = llm.generate({"prompt": "USER: <image>\nWhat is it? ASSISTANT:", "multi_modal_data": {"image": image}},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref

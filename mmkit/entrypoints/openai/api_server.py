@@ -220,7 +220,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
-        quantization=getattr(args, "quantization", None))
+        quantization=getattr(args, "quantization", None),
+        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return kwargs

@@ -35,6 +35,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory for the KV cache (CUDA; default 0.9)")
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES", help="KV cache size in bytes")
+    g.add_argument("--kv-cache-preallocate", action="store_true",
+                   help="CPU: commit the whole KV cache's memory at start-up, as vLLM's CPU backend does "
+                        "(no page faults while serving; resident memory is the whole cache from the start)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="exact number of KV cache blocks (CPU or GPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
