@@ -63,9 +63,10 @@ def hub_checkpoint(num_layers: int, image_size: int) -> str:
     return str(dst)
 
 
-def kv_cache_gib() -> float:
-    """Both systems' KV cache size: VLLM_CPU_KVCACHE_SPACE if set, else 4 GiB (mmkit's CPU default)."""
-    return float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+def kv_cache_gib() -> int:
+    """Both systems' KV cache size: VLLM_CPU_KVCACHE_SPACE (whole GiB, as vLLM reads it) if set,
+    else 4 GiB (mmkit's CPU default)."""
+    return int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
 
 
 def vllm_env(vllm_python: str, threads: int) -> dict:
