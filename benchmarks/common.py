@@ -121,6 +121,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def proc_status_mb(*fields: str) -> dict[str, float]:
+    """VmRSS (now) and/or VmHWM (peak) of this process, in MB, from one read of
+    /proc/self/status. Not ru_maxrss: Linux keeps that across fork + exec, so a child would
+    report its parent's peak. The kernel folds per-thread RSS counters into VmHWM lazily, so
+    VmHWM can trail VmRSS by a page or two: callers take max(VmHWM, VmRSS) as the peak."""
+    out = {f: float("nan") for f in fields}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name = line.split(":", 1)[0]
+            if name in out:
+                out[name] = int(line.split()[1]) / 1024.0
+    return out
+
+
 def build_model(num_layers: int, image_size: int = 224) -> str:
     from bench_model import build_bench_llava
 

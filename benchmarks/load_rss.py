@@ -20,15 +20,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def proc_status_mb(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak) of this process, in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--system", choices=["mmkit", "hf"], default="mmkit")
@@ -41,6 +32,7 @@ def main() -> None:
     import torch
     import transformers  # noqa: F401 - both systems import it; counted in the baseline
     import mmkit
+    from common import proc_status_mb
 
     torch.set_num_threads(args.threads)
     model = args.model
@@ -48,7 +40,7 @@ def main() -> None:
         from bench_model import build_bench_llava
 
         model = str(build_bench_llava(image_size=96))
-    base = proc_status_mb("VmRSS")
+    base = proc_status_mb("VmRSS")["VmRSS"]
     if args.system == "mmkit":
         llm = mmkit.LLM(model, dtype=args.dtype)
     else:
@@ -56,8 +48,9 @@ def main() -> None:
 
         llm = (AutoModelForImageTextToText.from_pretrained(model, dtype=getattr(torch, args.dtype)).eval(),
                AutoProcessor.from_pretrained(model))
+    now = proc_status_mb("VmHWM", "VmRSS")
     result = {"system": args.system, "dtype": args.dtype, "model": model, "rss_after_imports_mb": base,
-              "peak_rss_mb": proc_status_mb("VmHWM"), "rss_after_load_mb": proc_status_mb("VmRSS")}
+              "peak_rss_mb": max(now["VmHWM"], now["VmRSS"]), "rss_after_load_mb": now["VmRSS"]}
     print(f"{args.system} {args.dtype}: after imports {base:,.0f} MB, peak while loading "
           f"{result['peak_rss_mb']:,.0f} MB, after loading {result['rss_after_load_mb']:,.0f} MB")
     if args.json:

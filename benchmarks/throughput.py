@@ -73,20 +73,10 @@ def time_mmkit(llm, reqs, size: int, ttft: list[float] | None = None) -> float:
     return elapsed
 
 
-def proc_status_mb(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak) of this process. Not ru_maxrss: Linux keeps that across
-    fork + exec, so a child would report its parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
 def run_alone(args, system: str) -> None:
     """Child of `--rss`: one system only, one timed pass over repeat 0's workload, then its
     peak RSS (and the RSS after imports, before any model was loaded)."""
-    base = proc_status_mb("VmRSS")
+    base = common.proc_status_mb("VmRSS")["VmRSS"]
     common.set_threads(args.threads)
     common.LARGE_IMAGES = args.large_images
     image_size = common.WORKLOAD_IMAGE_SIZE[args.workload]
@@ -104,7 +94,8 @@ def run_alone(args, system: str) -> None:
         hf.run_static(warm, 8)
         bs = args.hf_batch_sizes.split(",")[0]
         t = hf.run_static(reqs, len(reqs) if bs == "all" else int(bs))
-    Path(args.json).write_text(json.dumps({"system": system, "peak_rss_mb": proc_status_mb("VmHWM"),
+    now = common.proc_status_mb("VmHWM", "VmRSS")
+    Path(args.json).write_text(json.dumps({"system": system, "peak_rss_mb": max(now["VmHWM"], now["VmRSS"]),
                                            "rss_after_imports_mb": base, "tok_s": useful / t}))
 
 
