@@ -1,18 +1,23 @@
-"""The whole decoder stack of a decode step in one C call (`csrc/decode_stack_cpu.c`).
+"""The whole decoder stack of a step in one C call (`csrc/decode_stack_cpu.c`).
 
 At batch 1 the per-module path pays 7-16 us of ctypes and tensor handling around each of about
-ten small kernels per layer, close to half of the step on the 30-layer benchmark model. The C
-stack runs the same kernels in the same order on the same data, so its output is bit-identical
-to the per-module path; it only takes the step when every part of every layer is one of those
-kernels:
+ten small kernels per layer, close to half of the step on the 30-layer benchmark model. In a
+prefill step it allocates every activation afresh, and at 2048 tokens those are tens of MB a
+layer that glibc maps and unmaps, so their pages fault and are zeroed again in every layer; the
+C stack keeps its activations in one scratch buffer held between steps. It runs the same kernels
+in the same order on the same data, so its output is bit-identical to the per-module path; it
+only takes the step when every part of every layer is one of those kernels:
 
 - the plain Llama block (`LlamaDecoderLayer` with `LlamaAttention`, a fused SiLU `LlamaMLP`,
   `RMSNorm`s): LLaVA's, LLaVA-NeXT's, Idefics3's / SmolVLM's, Mistral 3's, InternVL's and
   Qwen2-VL's decoders (M-RoPE included: its per-token tables are indexed like the 1-D ones);
 - every projection on mmkit's panels (`Linear` bound to `linear_panels`, or `QuantizedLinear`
   bound to `quant_panels`, AVX512-BF16 CPUs), for this many rows;
-- a decode-only step (no prefill chunk), one attention view for every layer (no sliding layer
-  whose window cuts a context), no DeepStack features, bf16 or float32 on CPU.
+- a decode-only step with one attention view for every layer (no sliding layer whose window
+  cuts a context), or a step with prefill chunks that the paged rows kernel attends as the
+  per-module path does (every layer global, `MMKIT_PAGED_PREFILL` on, no chunk with
+  bidirectional image spans or a context past `attention.PAGED_PREFILL_MAX_CONTEXT`);
+- no DeepStack features, bf16 or float32 on CPU.
 
 Anything else returns None and the modules run as before. `MMKIT_DECODE_STACK=0` turns it off
 (A/B measurements).
@@ -25,13 +30,17 @@ import os
 
 import torch
 
-from mmkit.layers import cpu_kernels, fused_f32, quant_panels
-from mmkit.layers.attention import AttentionMetadata, _decode_view
+from mmkit.layers import attention, cpu_kernels, fused_f32, quant_panels
+from mmkit.layers.attention import AttentionMetadata, _decode_view, _rows_view
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import QuantizedLinear
 from mmkit.layers.rotary import StepRope
 
 _DTYPES = cpu_kernels._DTYPES  # the kernels' dtype codes
+# The scratch buffer is kept between steps up to this size (a 2048-token float32 step of the
+# 30-layer benchmark model needs 64 MB); a larger step's is allocated for that step only, so
+# a long-prompt step does not leave hundreds of MB resident.
+KEEP_WORK_BYTES = 128 << 20
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -50,7 +59,7 @@ class _Step(ctypes.Structure):
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("num_blocks", _I64), ("block_size", _I64),
                 ("max_blocks", _I64), ("quant_direct_max_rows", _I64),
                 ("positions", _PTR), ("slot_mapping", _PTR), ("block_ids", _PTR), ("context_lens", _PTR),
-                ("context_starts", _PTR), ("cos", _PTR), ("signed_sin", _PTR),
+                ("context_starts", _PTR), ("tiles", _PTR), ("num_tiles", _I64), ("cos", _PTR), ("signed_sin", _PTR),
                 ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT)]
 
 
@@ -89,6 +98,7 @@ class DecodeStack:
         self.layers = (_Layer * len(layers))(*layers)
         self._keep = keep  # every tensor whose pointer the records hold
         self._cache_ptrs: tuple[int, ...] = ()
+        self._work: torch.Tensor | None = None  # scratch kept between steps (KEEP_WORK_BYTES)
         first = model.layers[0]  # build() refuses a stack without layers
         attn = first.self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -151,33 +161,48 @@ class DecodeStack:
 
     def run(self, embeds: torch.Tensor, rope: StepRope, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final norm's output [num_tokens, hidden] for a decode-only step, else None."""
+        """The final norm's output [num_tokens, hidden] for a step the stack can take, else None."""
         tokens = embeds.shape[0]
-        if (meta.prefills or meta.num_decode_tokens != tokens or tokens == 0 or embeds.dtype is not self.dtype
-                or embeds.dim() != 2 or not embeds.is_cpu or not embeds.is_contiguous()
-                or (self.max_rows is not None and tokens > self.max_rows)
-                or type(rope) is not StepRope or not rope.use_kernel):
+        if (tokens == 0 or embeds.dtype is not self.dtype or embeds.dim() != 2 or not embeds.is_cpu
+                or not embeds.is_contiguous() or (self.max_rows is not None and tokens > self.max_rows)
+                or type(rope) is not StepRope or not rope.use_kernel or not self._bind_caches(kv_caches)):
             return None
-        views = {id(v): v for v in (_decode_view(meta, w) for w in self.windows)}
-        if len(views) != 1 or not self._bind_caches(kv_caches):
-            return None
-        view = next(iter(views.values()))
+        tiles = None
+        if meta.prefills:
+            # As paged_attention does for a global layer: every row (decodes first, then each
+            # chunk's tokens) is a decode row whose context ends at its own token.
+            if self.windows != {None} or not attention._PAGED_PREFILL:
+                return None
+            rows = _rows_view(meta, tokens, kv_caches[0][0].shape[2])
+            if rows is None:
+                return None
+            view, tiles = rows
+        else:
+            if meta.num_decode_tokens != tokens:
+                return None
+            views = {id(v): v for v in (_decode_view(meta, w) for w in self.windows)}
+            if len(views) != 1:
+                return None
+            view = next(iter(views.values()))
         tables = rope.rotary
         positions, slots = rope.positions.contiguous(), meta.slot_mapping.contiguous()
         block_ids, lens = view.block_ids.contiguous(), view.context_lens.contiguous()
         starts = view.context_starts.contiguous() if view.context_starts is not None else None
+        if tiles is not None:
+            tiles = tiles.contiguous()
         if positions.dtype != torch.long or tables.cos.dtype != torch.float32 or not tables.cos.is_contiguous() \
                 or not tables.signed_sin.is_contiguous():
             return None
         _, num_blocks, block_size, _ = kv_caches[0][0].shape
         code = _DTYPES[self.dtype]
         hidden = embeds.shape[1]
-        work = torch.empty(self._work_bytes(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads,
-                                            self.head_dim, code), dtype=torch.uint8)
+        work = self._scratch(self._work_bytes(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads,
+                                              self.head_dim, code))
         out = torch.empty_like(embeds)
         step = _Step(tokens, hidden, self.inter, self.num_heads, self.num_kv_heads, self.head_dim, num_blocks,
                      block_size, view.max_blocks, quant_panels.DIRECT_MAX_ROWS, positions.data_ptr(), slots.data_ptr(),
                      block_ids.data_ptr(), lens.data_ptr(), starts.data_ptr() if starts is not None else None,
+                     tiles.data_ptr() if tiles is not None else None, tiles.numel() - 1 if tiles is not None else 0,
                      tables.cos.data_ptr(), tables.signed_sin.data_ptr(), self.model.norm.eps, self.scale, code,
                      torch.get_num_threads())
         failed = _I64(-1)
@@ -186,10 +211,19 @@ class DecodeStack:
         if status == 1:  # the panels were bound, so the build has them: cannot happen, but say so
             raise RuntimeError("mmkit: decode stack: the panel kernels are missing from this build")
         if status == 2:
-            raise IndexError(f"mmkit: decode stack, layer {failed.value}: a block id, slot or context length "
-                             "is out of range")
+            raise IndexError(f"mmkit: decode stack, layer {failed.value}: a block id, slot, context length "
+                             "or row tile is out of range")
         if status == 3:
             raise MemoryError(f"mmkit: decode stack, layer {failed.value}: a kernel could not allocate its scratch "
                               "memory")
         return out
 
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """The step's scratch: the kept buffer (grown when a step needs more, up to
+        KEEP_WORK_BYTES), or a buffer for this step alone past that."""
+        if nbytes > KEEP_WORK_BYTES:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._work is None or self._work.numel() < nbytes:
+            self._work = None  # free the old one first: the two need not be resident together
+            self._work = torch.empty(nbytes, dtype=torch.uint8)
+        return self._work

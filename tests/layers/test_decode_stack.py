@@ -1,11 +1,11 @@
-"""The C decode stack (mmkit/layers/decode_stack.py): bit-identical to the per-module path it
-replaces, taken exactly where every layer is the plain Llama block on panels, and rebuilt when
-the panels are re-bound."""
+"""The C decoder stack (mmkit/layers/decode_stack.py): bit-identical to the per-module path it
+replaces, on decode steps and on steps with prefill chunks (chunked, and mixed with decodes),
+taken exactly where every layer is the plain Llama block on panels, and rebuilt when the panels
+are re-bound."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mmkit import LLM, SamplingParams
 from mmkit.layers import linear_panels, quant_panels
@@ -94,24 +94,69 @@ def test_rebuilt_when_a_projection_is_rebound(ckpts, monkeypatch):
 
 
 def _recording(monkeypatch, steps: list):
-    """Record (step has a prefill, the stack took it) for every `DecodeStack.run` call."""
+    """Record (step has a prefill, step has decode rows, the stack took it) for every
+    `DecodeStack.run` call."""
     run = DecodeStack.run
 
     def recorded(self, x, rope, kv, meta):
         out = run(self, x, rope, kv, meta)
-        steps.append((bool(meta.prefills), out is not None))
+        steps.append((bool(meta.prefills), meta.num_decode_tokens > 0, out is not None))
         return out
 
     monkeypatch.setattr(DecodeStack, "run", recorded)
 
 
-def test_prefill_steps_take_the_modules(ckpts, monkeypatch):
-    """A step holding a prefill chunk is not a decode-only step: `run` declines it."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_and_mixed_prefill_steps_take_the_stack(ckpts, monkeypatch, dtype):
+    """A 12-token budget splits the long prompt into chunks (a later chunk attends to the
+    cached earlier ones) and puts the short prompts' decodes in the same steps: the stack takes
+    those steps, with the per-module path's ids and logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(stack: bool):
+        monkeypatch.setenv("MMKIT_DECODE_STACK", "1" if stack else "0")
+        llm = LLM(str(ckpts["llava"]), seed=0, dtype=dtype, max_num_batched_tokens=12)
+        steps = []
+        _recording(monkeypatch, steps)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        monkeypatch.undo()
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [[{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs] for o in outs], steps)
+
+    ids, logprobs, steps = run(True)
+    ref_ids, ref_logprobs, ref_steps = run(False)
+    assert not any(taken for _, _, taken in ref_steps)
+    assert (True, True, True) in steps, "no step with a prefill chunk and decode rows went through the stack"
+    assert (True, False, True) in steps and (False, True, True) in steps
+    assert all(taken for _, _, taken in steps)
+    assert ids == ref_ids
+    assert logprobs == ref_logprobs
+
+
+def test_prefill_with_sdpa_takes_the_modules(ckpts, monkeypatch):
+    """With the paged prefill kernel off (MMKIT_PAGED_PREFILL=0) prefill chunks go to SDPA in
+    the modules, so the stack declines those steps and still takes the decode-only ones."""
+    from mmkit.layers import attention
     _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="bfloat16")
     steps = []
     _recording(monkeypatch, steps)
+    monkeypatch.setattr(attention, "_PAGED_PREFILL", False)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert (True, True) not in steps and (False, True) in steps and (True, False) in steps
+    assert (False, True, True) in steps
+    assert not any(taken for prefill, _, taken in steps if prefill)
+
+
+def test_scratch_is_kept_between_steps_up_to_its_cap(ckpts, monkeypatch):
+    from mmkit.layers import decode_stack
+    _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="float32")
+    stack = _decoder(llm).decode_stack()
+    kept = stack._work
+    assert kept is not None and stack._scratch(kept.numel()) is kept  # reused, not allocated again
+    grown = stack._scratch(kept.numel() + 1)
+    assert grown.numel() == kept.numel() + 1 and stack._work is grown
+    monkeypatch.setattr(decode_stack, "KEEP_WORK_BYTES", grown.numel())
+    big = stack._scratch(grown.numel() + 1)  # past the cap: this step's own buffer
+    assert big is not grown and stack._work is grown
 
 
 def test_sliding_window_that_cuts_a_context_falls_back(ckpts, monkeypatch):
@@ -132,7 +177,7 @@ def test_sliding_window_that_cuts_a_context_falls_back(ckpts, monkeypatch):
         _recording(monkeypatch, steps)
         got = run_once()
         assert decoder.decode_stack().windows == {4, None}
-        assert steps and not any(taken for _, taken in steps)  # every decode context exceeds 4 tokens
+        assert steps and not any(taken for _, _, taken in steps)  # every context exceeds 4 tokens
         monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
         linear_panels.bump_generation()
         assert run_once() == got

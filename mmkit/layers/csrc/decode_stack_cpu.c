@@ -1,16 +1,20 @@
-/* A whole Llama-block decoder stack for one decode step, in one call from Python.
+/* A whole Llama-block decoder stack for one step, in one call from Python: a decode-only step,
+ * or a step with prefill chunks whose rows the paged rows kernel attends (global layers).
  *
  * Why: at batch 1 every kernel of a decode step is small (a 576-wide RMSNorm is well under a
  * microsecond of arithmetic), yet each one cost 7-16 us through ctypes and the torch tensors
- * around it, about ten per layer: with 30 layers that was close to half of the step. This file
- * runs the same kernels, in the same order, on the same data (so its output is bit-identical
- * to the per-module path in models/llama.py), with the per-layer pointers gathered once into
- * `MmkitLayer` records (mmkit/layers/decode_stack.py builds them).
+ * around it, about ten per layer: with 30 layers that was close to half of the step. In a
+ * prefill step the per-layer path allocates every activation afresh (a 2048-token float32 step
+ * allocates ~60 MB per layer, which glibc maps and unmaps, so its pages fault and are zeroed
+ * again each time); here they live in one scratch buffer that the caller keeps between steps.
+ * This file runs the same kernels, in the same order, on the same data (so its output is
+ * bit-identical to the per-module path in models/llama.py), with the per-layer pointers
+ * gathered once into `MmkitLayer` records (mmkit/layers/decode_stack.py builds them).
  *
  * Per layer, exactly as LlamaDecoderLayer.forward:
  *   h = rms_norm(x [+ residual])  (layer 0: h = rms_norm(embeds), residual = embeds)
  *   qkv = h @ Wqkv^T (+ b); rotate q and k in place; write k, v into the paged cache
- *   a = paged_decode_attention(q, cache) @ Wo^T (+ b)
+ *   a = paged_attention(q, cache) @ Wo^T (+ b)   (decode rows, or rows in tiles with prefill)
  *   h = rms_norm(a + residual), residual = a + residual (in a)
  *   m = silu_mul(h @ Wgate_up^T) @ Wdown^T
  * then out = rms_norm(m + residual) with the final norm's weight.
@@ -38,6 +42,11 @@ int mmkit_paged_decode_attention(void *out, const void *q, int64_t q_row_stride,
                                  const int64_t *context_lens, const int64_t *context_starts, int64_t num_seqs,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                                  int64_t block_size, float scale, int dtype, int num_threads);
+int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, const void *k_cache,
+                               const void *v_cache, const int64_t *block_ids, int64_t max_blocks,
+                               const int64_t *context_lens, const int64_t *tiles, int64_t num_tiles,
+                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads);
 int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      const void *panels, const void *bias, int dtype, int nthreads);
 int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
@@ -66,6 +75,11 @@ typedef struct {
     int64_t num_tokens, hidden, inter, num_heads, num_kv_heads, head_dim;
     int64_t num_blocks, block_size, max_blocks, quant_direct_max_rows;
     const int64_t *positions, *slot_mapping, *block_ids, *context_lens, *context_starts;
+    /* NULL: a decode-only step (one row per sequence). Else the step's rows as decode rows
+     * whose context ends at their own token, grouped in tiles (mmkit_paged_rows_attention):
+     * tile i = rows [tiles[i], tiles[i + 1]), num_tiles of them. */
+    const int64_t *tiles;
+    int64_t num_tiles;
     const float *cos, *signed_sin;
     float eps, scale;
     int dtype, num_threads;
@@ -126,10 +140,14 @@ int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void 
         if ((st = mmkit_write_kv(L->k_cache, L->v_cache, qkv + nh * hd * es, qkv + (nh + nkv) * hd * es, qkv_w,
                                  qkv_w, s->slot_mapping, T, nkv, s->num_blocks * s->block_size, hd, es)) != 0)
             return STACK_OUT_OF_RANGE;
-        if ((st = mmkit_paged_decode_attention(attn, qkv, qkv_w, L->k_cache, L->v_cache, s->block_ids,
-                                               s->max_blocks, s->context_lens, s->context_starts, T, nh, nkv, hd,
-                                               s->num_blocks, s->block_size, s->scale, s->dtype,
-                                               s->num_threads)) != 0)
+        st = s->tiles
+            ? mmkit_paged_rows_attention(attn, qkv, qkv_w, L->k_cache, L->v_cache, s->block_ids, s->max_blocks,
+                                         s->context_lens, s->tiles, s->num_tiles, T, nh, nkv, hd, s->num_blocks,
+                                         s->block_size, s->scale, s->dtype, s->num_threads)
+            : mmkit_paged_decode_attention(attn, qkv, qkv_w, L->k_cache, L->v_cache, s->block_ids, s->max_blocks,
+                                           s->context_lens, s->context_starts, T, nh, nkv, hd, s->num_blocks,
+                                           s->block_size, s->scale, s->dtype, s->num_threads);
+        if (st != 0)
             return st == 2 ? STACK_OUT_OF_RANGE : STACK_NO_MEMORY;
         char *a = bufs[turn];
         if ((st = linear(a, attn, &L->o, s)) != 0) return st;
@@ -137,7 +155,7 @@ int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void 
         residual = a;
         turn ^= 1;
         if ((st = linear(gate_up, h, &L->gate_up, s)) != 0) return st;
-        if (s->dtype == MMKIT_BF16) mmkit_silu_mul_bf16((uint16_t *)act, gate_up, T, s->inter, s->num_threads);
+        if (s->dtype == MMKIT_BF16) mmkit_silu_mul_bf16((uint16_t *)act, (const uint16_t *)gate_up, T, s->inter, s->num_threads);
         else mmkit_silu_mul_f32((float *)act, (const float *)gate_up, T, s->inter, s->num_threads);
         if ((st = linear(bufs[turn], act, &L->down, s)) != 0) return st;
     }
