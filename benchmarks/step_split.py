@@ -2,11 +2,13 @@
 carry prefill tokens, from one timed `LLM.generate` over the seeded workload.
 
     OMP_WAIT_POLICY=PASSIVE nice python benchmarks/step_split.py --workload decode-heavy \
-        [--num-requests 128] [--dtype bfloat16] [--threads 2] [--num-layers 30]
+        [--num-requests 128] [--dtype bfloat16] [--threads 2] [--num-layers 30] [--perf out.data]
 
 A/B a switch by running it twice, e.g. with `MMKIT_PAGED_PREFILL=0` and without. The model
 runner's `execute_model` is timed (scheduling and output processing are outside it); a short
-warm-up batch runs first.
+warm-up batch runs first. `--perf FILE` attaches `perf record` to this process for the timed
+`generate` only (not the checkpoint build, the load or the KV cache's start-up commit); read it
+with `perf report -i FILE --sort sym`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +34,10 @@ def main() -> None:
     common.add_common_args(p)
     p.add_argument("--workload", default="decode-heavy", choices=list(common.WORKLOADS))
     p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--perf", metavar="FILE", help="perf record the timed generate into FILE")
     args = p.parse_args()
+    if args.perf and shutil.which("perf") is None:
+        raise SystemExit("--perf: no `perf` on PATH (Debian: apt-get install linux-perf)")
     _, size, llm = common.setup(args)
     runner = llm.llm_engine.model_runner
     execute = runner.execute_model
@@ -58,9 +67,16 @@ def main() -> None:
     steps.clear()
     vision.clear()
     reqs = common.make_workload(args.workload, args.num_requests, seed=0)
+    perf = None
+    if args.perf:
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-o", args.perf, "-p", str(os.getpid())])
+        time.sleep(1.0)  # perf attaches to every thread before the run starts
     t = time.perf_counter()
     llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
     wall = time.perf_counter() - t
+    if perf is not None:
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
     useful = sum(r.max_tokens for r in reqs)
     decode = [(s, d) for tok, s, d in steps if tok == s]
     mixed = [(tok, s, d) for tok, s, d in steps if tok != s]
