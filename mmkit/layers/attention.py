@@ -39,6 +39,20 @@ _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
 # 0.26-0.48x its time from 64 to 8192 keys, 2 threads, bf16 and float32
 # (benchmarks/prefill_attention.py; benchmarks/results/round4/h/prefill_attention.log).
 PAGED_PREFILL_MAX_CONTEXT = 8192
+# Builds without AVX-512 (AVX2 CPUs: csrc/paged_tile_avx2.h) run the tiles at about half the
+# FMA rate: measured 0.74-0.91x SDPA's time to 384 keys, level near 512 and 1.2-1.6x from 768
+# (Zen 3, 2 threads; benchmarks/results/round4/l/prefill_attention_avx2.log), so longer
+# contexts keep SDPA there.
+PAGED_PREFILL_MAX_CONTEXT_AVX2 = 448
+
+
+def paged_prefill_max_context() -> int:
+    """The longest context a prefill chunk may have to run on the paged rows kernel."""
+    if cpu_kernels.has_avx512():
+        return PAGED_PREFILL_MAX_CONTEXT
+    return min(PAGED_PREFILL_MAX_CONTEXT, PAGED_PREFILL_MAX_CONTEXT_AVX2)
+
+
 # Tokens of a chunk that share one read of their context from the cache (rows of one kernel
 # work item): long enough that the read is a small part of the item, short enough that a
 # chunk still splits into work for every thread.
@@ -247,7 +261,7 @@ def _rows_view(meta: AttentionMetadata, num_tokens: int,
     """The step's rows as decode rows of a global layer, with their tiles for
     `cpu_kernels.paged_rows_attention` (each decode alone, each chunk in runs of
     PREFILL_TILE tokens), or None when some chunk has bidirectional spans (its queries see
-    later keys) or a context past PAGED_PREFILL_MAX_CONTEXT, or the rows are not laid out as
+    later keys) or a context past `paged_prefill_max_context()`, or the rows are not laid out as
     decodes first, then the chunks in order."""
     if meta._rows_view:
         return meta._rows_view[0]
@@ -257,7 +271,8 @@ def _rows_view(meta: AttentionMetadata, num_tokens: int,
     starts = [nd]
     for c in chunks:
         starts.append(starts[-1] + c.query_len)
-    if (not any(c.spans or c.context_len > PAGED_PREFILL_MAX_CONTEXT for c in chunks) and starts[-1] == num_tokens
+    max_context = paged_prefill_max_context()
+    if (not any(c.spans or c.context_len > max_context for c in chunks) and starts[-1] == num_tokens
             and all(c.query_start == s for c, s in zip(chunks, starts))):
         live = [-(-c.context_len // block_size) for c in chunks]
         width = max(live + [meta.decode_max_blocks if nd else 0])

@@ -77,7 +77,12 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     not 4 KiB. A block is 1 KiB per head and layer in the heads-first layout, so every block
     in use pinned a 2 MiB page per (head, layer, K/V): on the 30-layer benchmark the decode-
     heavy run held ~300 MB more than its blocks. The cache is allocated without that advice
-    (MMKIT_KV_HUGEPAGES=1 keeps numpy's default, for A/B measurements)."""
+    (MMKIT_KV_HUGEPAGES=1 keeps numpy's default, for A/B measurements).
+
+    NOTE: only a tensor past glibc's mmap threshold is sure to be lazy. The threshold rises
+    (up to 32 MiB) as the process frees large blocks, and a smaller calloc may then reuse heap
+    memory, which it memsets: still zeros, only resident at once. A real cache's per-layer
+    tensors are that large; tiny test caches may not be."""
     import numpy as np
 
     elem = torch.empty((), dtype=dtype).element_size()

@@ -87,14 +87,17 @@ def test_preallocated_kv_cache_is_resident_and_zero():
 
     model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                             device=torch.device("cpu"))
-    lazy = allocate_kv_caches(model, num_blocks=2048, block_size=16)  # 2 x 2 x 16 MiB
-    # Only the partial pages at either end of each 16 MiB buffer may share a resident page.
+    # 64 MiB a tensor: past glibc's largest dynamic mmap threshold (32 MiB), so calloc maps fresh
+    # pages however much the suite has freed before; a smaller one can come from recycled heap
+    # memory, which calloc memsets (correct zeros, only not lazy). Only the partial pages at
+    # either end of a buffer may share a resident page.
+    lazy = allocate_kv_caches(model, num_blocks=8192, block_size=16)  # 2 layers x (K, V) x 64 MiB
     assert all(_resident_fraction(c) < 0.01 for pair in lazy for c in pair)
     del lazy
-    caches = allocate_kv_caches(model, num_blocks=2048, block_size=16, preallocate=True)
+    caches = allocate_kv_caches(model, num_blocks=8192, block_size=16, preallocate=True)
     assert all(_resident_fraction(c) == 1.0 for pair in caches for c in pair)
     assert len(caches) == 2 and all(not c.any() for pair in caches for c in pair)
-    assert caches[0][0].shape == (2, 2048, 16, 64)
+    assert caches[0][0].shape == (2, 8192, 16, 64)
 
 
 def test_kv_cache_preallocate_must_be_bool():

@@ -392,3 +392,17 @@ def test_long_prefill_chunks_keep_sdpa(monkeypatch):
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT", 36)  # the second chunk's context is 37
     q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
     assert attention._rows_view(meta, q.shape[0], k_cache.shape[2]) is None
+
+
+@needs_kernels
+def test_builds_without_avx512_keep_sdpa_for_shorter_contexts(monkeypatch):
+    """AVX2 builds' tiles fall behind SDPA sooner (csrc/paged_tile_avx2.h): their own, lower
+    limit applies there, and only there."""
+    from mmkit.layers import attention
+
+    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT_AVX2", 36)  # the second chunk's context is 37
+    for avx512, taken in ((True, True), (False, False)):
+        monkeypatch.setattr(cpu_kernels, "has_avx512", lambda avx512=avx512: avx512)
+        q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
+        assert (attention._rows_view(meta, q.shape[0], k_cache.shape[2]) is not None) is taken
+    assert attention.paged_prefill_max_context() == 36

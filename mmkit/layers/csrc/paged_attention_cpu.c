@@ -623,11 +623,16 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(const Probl
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include "paged_tile_avx2.h"
+#endif
+
 /* Rows [r0, r1) of one tile for KV head kvh: rows of one sequence (one block table), context
  * lengths non-decreasing, every context from row 0 (a prefill chunk's tokens in order). The
- * tile's context is read from the cache once for all its rows (attend_tile_avx512), where the
- * decode kernel would read it once per row. Without the AVX-512 variant for this head size,
- * or for a tile of one row (a decode), the rows run one by one. */
+ * tile's context is read from the cache once for all its rows (attend_tile_avx512, or
+ * attend_tile_avx2 on CPUs without AVX-512), where the decode kernel would read it once per row.
+ * For another head size, a build with neither, or a tile of one row (a decode), the rows run
+ * one by one. */
 static void attend_tile(const Problem *p, int64_t r0, int64_t r1, int64_t kvh, float *scores, float *acc,
                         float *rows, float *kt, float *vd, int64_t head_dim, int dtype) {
 #if defined(__AVX512F__)
@@ -636,6 +641,14 @@ static void attend_tile(const Problem *p, int64_t r0, int64_t r1, int64_t kvh, f
         else if (head_dim == 64) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_F32);
         else if (dtype == MMKIT_BF16) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_BF16);
         else attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_F32);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (r1 - r0 > 1 && (head_dim == 64 || head_dim == 128)) {
+        if (head_dim == 64 && dtype == MMKIT_BF16) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 64, MMKIT_BF16);
+        else if (head_dim == 64) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 64, MMKIT_F32);
+        else if (dtype == MMKIT_BF16) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 128, MMKIT_BF16);
+        else attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 128, MMKIT_F32);
         return;
     }
 #else
