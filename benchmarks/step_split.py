@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--workload", default="decode-heavy", choices=list(common.WORKLOADS))
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--perf", metavar="FILE", help="perf record the timed generate into FILE")
+    p.add_argument("--perf-callgraph", action="store_true", help="with --perf: record call chains (-g)")
     args = p.parse_args()
     if args.perf and shutil.which("perf") is None:
         raise SystemExit("--perf: no `perf` on PATH (Debian: apt-get install linux-perf)")
@@ -69,7 +70,8 @@ def main() -> None:
     reqs = common.make_workload(args.workload, args.num_requests, seed=0)
     perf = None
     if args.perf:
-        perf = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-o", args.perf, "-p", str(os.getpid())])
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", "499", *(["-g"] if args.perf_callgraph else []),
+                                 "-o", args.perf, "-p", str(os.getpid())])
         time.sleep(1.0)  # perf attaches to every thread before the run starts
     t = time.perf_counter()
     llm.generate(common.mmkit_inputs(reqs, size), common.mmkit_params(reqs), use_tqdm=False)
