@@ -105,6 +105,35 @@ static inline __attribute__((always_inline)) void load_context(float *restrict d
     }
 }
 
+/* n (<= 16) dense key rows [n, D] into one block of a tile's transposed keys, kb[d * 16 + i]
+ * (key i along the lanes; zero for i >= n). */
+static inline __attribute__((always_inline)) void transpose_keys(float *restrict kb, const float *restrict rows,
+                                                                  int64_t n, const int D) {
+    for (int64_t i = 0; i < 16; i++)
+        for (int d = 0; d < D; d++) kb[d * 16 + i] = i < n ? rows[i * D + d] : 0.0f;
+}
+
+/* A tile's query vectors v0 .. v0 + qn (vector v: row r0 + v / group, head kvh * group + v % group)
+ * into qf [qn][D], scaled; each one's row (owners), head and context length (lens). Returns the
+ * longest of those contexts. Shared by the AVX-512 and AVX2 tiles. */
+static inline __attribute__((always_inline)) int64_t tile_queries(const Problem *p, int64_t r0, int64_t kvh,
+                                                                   int64_t v0, int qn, float *restrict qf,
+                                                                   int64_t *owners, int64_t *heads, int64_t *lens,
+                                                                   const int D, const int dtype) {
+    const int64_t group = p->num_heads / p->num_kv_heads, elem = dtype == MMKIT_F32 ? 4 : 2;
+    int64_t longest = 0;
+    for (int j = 0; j < qn; j++) {
+        const int64_t r = r0 + (v0 + j) / group, g = (v0 + j) % group;
+        owners[j] = r;
+        heads[j] = kvh * group + g;
+        lens[j] = p->context_lens[r];
+        longest = lens[j] > longest ? lens[j] : longest;
+        load_row(qf + j * D, (const char *)p->q + r * p->q_row_stride * elem, heads[j], D, dtype);
+        for (int d = 0; d < D; d++) qf[j * D + d] *= p->scale;
+    }
+    return longest;
+}
+
 /* One (sequence, kv head) item. Inlined with constant head_dim/dtype at the call sites below,
  * so the head_dim loops unroll into whole vector registers (the accumulator stays in them). */
 static inline __attribute__((always_inline)) void attend_item(const Problem *p, int64_t item, float *restrict scores,
@@ -581,26 +610,15 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(const Probl
     for (int64_t b = 0; b < nb; b++) {
         const int64_t n = len - 16 * b < 16 ? len - 16 * b : 16;
         load_chunk(rows, p->k_cache, table, 16 * b, n, first_row, p->block_size, NC, dtype);
-        float *kb = kt + b * D * 16;
-        for (int64_t i = 0; i < 16; i++)
-            for (int d = 0; d < D; d++) kb[d * 16 + i] = i < n ? rows[i * D + d] : 0.0f;
+        transpose_keys(kt + b * D * 16, rows, n, D);
         load_chunk(vd + 16 * b * D, p->v_cache, table, 16 * b, n, first_row, p->block_size, NC, dtype);
     }
-    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
     const int64_t num_vectors = (r1 - r0) * group;
     for (int64_t v0 = 0; v0 < num_vectors; v0 += QG) {
         const int qn = num_vectors - v0 < QG ? (int)(num_vectors - v0) : QG;
         float qf[6 * 128], out[6 * 128], sums[6]; /* QG * D <= 384; sized for the unused QB cases */
-        int64_t lens[6], heads[6], owners[6], longest = 0;
-        for (int j = 0; j < qn; j++) {
-            const int64_t r = r0 + (v0 + j) / group, g = (v0 + j) % group;
-            owners[j] = r;
-            heads[j] = kvh * group + g;
-            lens[j] = p->context_lens[r];
-            longest = lens[j] > longest ? lens[j] : longest;
-            load_row(qf + j * D, (const char *)p->q + r * p->q_row_stride * elem, heads[j], D, dtype);
-            for (int d = 0; d < D; d++) qf[j * D + d] *= p->scale;
-        }
+        int64_t lens[6], heads[6], owners[6];
+        const int64_t longest = tile_queries(p, r0, kvh, v0, qn, qf, owners, heads, lens, D, dtype);
         const int64_t blocks = (longest + 15) / 16;
         int64_t b = 0;
 #define MMKIT_SCORES2(QB) tile_scores(scores, stride, qf, kt, b, QB, 2, D)
@@ -635,22 +653,20 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(const Probl
  * one by one. */
 static void attend_tile(const Problem *p, int64_t r0, int64_t r1, int64_t kvh, float *scores, float *acc,
                         float *rows, float *kt, float *vd, int64_t head_dim, int dtype) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
+#define MMKIT_TILE_KERNEL attend_tile_avx512
+#else
+#define MMKIT_TILE_KERNEL attend_tile_avx2
+#endif
     if (r1 - r0 > 1 && (head_dim == 64 || head_dim == 128)) {
-        if (head_dim == 64 && dtype == MMKIT_BF16) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_BF16);
-        else if (head_dim == 64) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_F32);
-        else if (dtype == MMKIT_BF16) attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_BF16);
-        else attend_tile_avx512(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_F32);
+        if (head_dim == 64 && dtype == MMKIT_BF16) MMKIT_TILE_KERNEL(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_BF16);
+        else if (head_dim == 64) MMKIT_TILE_KERNEL(p, r0, r1, kvh, scores, rows, kt, vd, 4, MMKIT_F32);
+        else if (dtype == MMKIT_BF16) MMKIT_TILE_KERNEL(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_BF16);
+        else MMKIT_TILE_KERNEL(p, r0, r1, kvh, scores, rows, kt, vd, 8, MMKIT_F32);
         return;
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (r1 - r0 > 1 && (head_dim == 64 || head_dim == 128)) {
-        if (head_dim == 64 && dtype == MMKIT_BF16) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 64, MMKIT_BF16);
-        else if (head_dim == 64) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 64, MMKIT_F32);
-        else if (dtype == MMKIT_BF16) attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 128, MMKIT_BF16);
-        else attend_tile_avx2(p, r0, r1, kvh, scores, rows, kt, vd, 128, MMKIT_F32);
-        return;
-    }
+#undef MMKIT_TILE_KERNEL
 #else
     (void)kt;
     (void)vd;

@@ -1,6 +1,7 @@
 /* Prefill tiles of the paged rows kernel on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3,
  * Intel Haswell to Comet Lake). Included by paged_attention_cpu.c after its shared helpers
- * (Problem, load_row, softmax_numerators, store_head); nothing here is compiled on its own.
+ * (Problem, load_context, tile_queries, softmax_numerators, store_head); nothing here is
+ * compiled on its own.
  *
  * Without it such a CPU ran a prefill chunk's rows one by one through the decode kernel: every
  * row gathered and widened its whole context again, and each score was an 8-lane dot product
@@ -63,39 +64,29 @@ static inline __attribute__((always_inline)) void tile2_values(float *restrict o
 }
 
 /* Rows [r0, r1) of one tile for KV head kvh (see attend_tile in paged_attention_cpu.c), head_dim
- * D = 64 or 128 (a multiple of 32). Scratch: rows [16, D], kt and vd [context + 16, D]. */
+ * D = 16 NC = 64 or 128 (attend_tile_avx512's arguments). Scratch: rows [16, D], kt and vd
+ * [context + 16, D]. */
 static inline __attribute__((always_inline)) void attend_tile_avx2(const Problem *p, int64_t r0, int64_t r1,
                                                                     int64_t kvh, float *restrict scores,
                                                                     float *restrict rows, float *restrict kt,
-                                                                    float *restrict vd, const int D, const int dtype) {
+                                                                    float *restrict vd, const int NC, const int dtype) {
+    const int D = 16 * NC;
     const int64_t group = p->num_heads / p->num_kv_heads;
-    const int64_t len = p->context_lens[r1 - 1], nb = (len + 15) / 16, stride = nb * 16;
-    const int64_t *table = p->block_ids + r0 * p->max_blocks;
-    const int64_t first_row = kvh * p->num_blocks;
+    const int64_t len = p->context_lens[r1 - 1], stride = (len + 15) / 16 * 16;
+    const int64_t *table = p->block_ids + r0 * p->max_blocks, first_row = kvh * p->num_blocks;
     /* Gather the context once: K transposed into blocks of 16 keys (zero past len), V dense. */
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t n = len - 16 * b < 16 ? len - 16 * b : 16;
-        load_context(rows, p->k_cache, table, 16 * b, 16 * b + n, first_row, p->block_size, D, dtype);
-        float *kb = kt + b * D * 16;
-        for (int64_t i = 0; i < 16; i++)
-            for (int d = 0; d < D; d++) kb[d * 16 + i] = i < n ? rows[i * D + d] : 0.0f;
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        load_context(rows, p->k_cache, table, t0, t0 + n, first_row, p->block_size, D, dtype);
+        transpose_keys(kt + t0 * D, rows, n, D);
     }
     load_context(vd, p->v_cache, table, 0, len, first_row, p->block_size, D, dtype);
-    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
     const int64_t num_vectors = (r1 - r0) * group;
     for (int64_t v0 = 0; v0 < num_vectors; v0 += MMKIT_TILE2_QG) {
         const int qn = num_vectors - v0 < MMKIT_TILE2_QG ? (int)(num_vectors - v0) : MMKIT_TILE2_QG;
         float qf[MMKIT_TILE2_QG * 128], out[MMKIT_TILE2_QG * 128], sums[MMKIT_TILE2_QG];
-        int64_t lens[MMKIT_TILE2_QG], heads[MMKIT_TILE2_QG], owners[MMKIT_TILE2_QG], longest = 0;
-        for (int j = 0; j < qn; j++) {
-            const int64_t r = r0 + (v0 + j) / group, g = (v0 + j) % group;
-            owners[j] = r;
-            heads[j] = kvh * group + g;
-            lens[j] = p->context_lens[r];
-            longest = lens[j] > longest ? lens[j] : longest;
-            load_row(qf + j * D, (const char *)p->q + r * p->q_row_stride * elem, heads[j], D, dtype);
-            for (int d = 0; d < D; d++) qf[j * D + d] *= p->scale;
-        }
+        int64_t lens[MMKIT_TILE2_QG], heads[MMKIT_TILE2_QG], owners[MMKIT_TILE2_QG];
+        const int64_t longest = tile_queries(p, r0, kvh, v0, qn, qf, owners, heads, lens, D, dtype);
         const int64_t blocks = (longest + 15) / 16;
         for (int64_t b = 0; b < blocks; b++) {
             switch (qn) {
