@@ -40,8 +40,8 @@ _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
 # (benchmarks/prefill_attention.py; benchmarks/results/round4/h/prefill_attention.log).
 PAGED_PREFILL_MAX_CONTEXT = 8192
 # Builds without AVX-512 (AVX2 CPUs: csrc/paged_tile_avx2.h) run the tiles at about half the
-# FMA rate: measured 0.75-1.07x SDPA's time to 384 keys, 1.07-1.09x at 512 and 1.1-1.8x from
-# 768 (Zen 3, 2 threads; benchmarks/results/round4/l/prefill_attention_avx2.log), so longer
+# FMA rate: measured 0.65-0.97x SDPA's time from 64 to 512 keys and 1.2-1.8x from 768 (Zen 3,
+# 2 threads; benchmarks/results/round4/l/prefill_attention_avx2.log, final code), so longer
 # contexts keep SDPA there.
 PAGED_PREFILL_MAX_CONTEXT_AVX2 = 448
 
