@@ -22,6 +22,9 @@ Environment switches (each part of the cache key):
   so a broken kernel fails the suite rather than skipping its tests).
 - `MMKIT_KERNEL_GENERIC=1`: build for the baseline ISA (no `-march=native`), so the portable
   code paths run even on an AVX-512 machine (tests compare both).
+- `MMKIT_KERNEL_NO_AVX512=1`: `-march=native` without AVX-512 (`-mno-avx512f`), so an AVX-512
+  machine builds and runs what an AVX2-only CPU runs (the AVX2 panels and prefill tiles; CI's
+  hosts have had AVX-512, and the tests run those paths this way).
 - `MMKIT_KERNEL_CHECKS=1`: a bounds-checking build; the paged-attention and KV-write kernels
   validate block ids, context lengths and slots and raise `IndexError` (the tests use it).
 A cache folder that cannot be written falls back to a per-user folder under the temp dir.
@@ -66,6 +69,8 @@ def build_flags() -> tuple[str, ...]:
     flags = list(_BASE_FLAGS)
     if not _env_on("MMKIT_KERNEL_GENERIC"):
         flags.insert(1, "-march=native")
+        if _env_on("MMKIT_KERNEL_NO_AVX512"):
+            flags.insert(2, "-mno-avx512f")  # turns off every AVX-512 subset with it
     if _env_on("MMKIT_KERNEL_CHECKS"):
         flags.append("-DMMKIT_KERNEL_CHECKS")
     return tuple(flags)

@@ -122,3 +122,25 @@ def test_generic_build_runs_the_portable_paths(tmp_path):
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx512f" in cpu_flags:
         assert cpu_kernels.has_avx512()  # the native build in this process takes the AVX-512 paths
+
+
+@needs_kernels
+def test_avx2_build_runs_the_avx2_paths(tmp_path):
+    """The AVX2 panels and prefill tiles (csrc/paged_tile_avx2.h) on any AVX2 CPU, AVX-512 ones
+    included: built with MMKIT_KERNEL_NO_AVX512=1, the same tile and panel tests run against
+    their references (rows bit-identical whatever their tile, F.linear, the torch decode path)."""
+    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2" not in cpu_flags or " fma" not in cpu_flags:
+        pytest.skip("needs an AVX2 + FMA CPU")
+    env = dict(os.environ, MMKIT_KERNEL_NO_AVX512="1", MMKIT_CACHE_DIR=str(tmp_path), MMKIT_REQUIRE_CPU_KERNELS="1")
+    check = ("from mmkit.layers import cpu_kernels, linear_panels; "
+             "assert '-mno-avx512f' in cpu_kernels.build_flags(); "
+             "assert not cpu_kernels.has_avx512() and linear_panels.available(); print('avx2 build')")
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "avx2 build" in proc.stdout, proc.stderr[-3000:]
+    tests = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tests / "test_cpu_kernels.py"), str(tests / "test_linear_kernels.py"),
+                           "-k", "tile or sdpa or panel"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1500:]

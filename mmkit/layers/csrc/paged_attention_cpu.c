@@ -113,6 +113,17 @@ static inline __attribute__((always_inline)) void transpose_keys(float *restrict
         for (int d = 0; d < D; d++) kb[d * 16 + i] = i < n ? rows[i * D + d] : 0.0f;
 }
 
+/* QB (a run-time count up to 6) as a compile-time constant for a tile kernel (AVX-512 and AVX2). */
+#define MMKIT_TILE_QB(QB, CALL) \
+    switch (QB) {               \
+    case 6: CALL(6); break;     \
+    case 5: CALL(5); break;     \
+    case 4: CALL(4); break;     \
+    case 3: CALL(3); break;     \
+    case 2: CALL(2); break;     \
+    default: CALL(1); break;    \
+    }
+
 /* A tile's query vectors v0 .. v0 + qn (vector v: row r0 + v / group, head kvh * group + v % group)
  * into qf [qn][D], scaled; each one's row (owners), head and context length (lens). Returns the
  * longest of those contexts. Shared by the AVX-512 and AVX2 tiles. */
@@ -581,17 +592,6 @@ static inline __attribute__((always_inline)) void tile_values(float *restrict ou
     for (int q = 0; q < QB; q++)
         for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + q * 16 * NC + 16 * c, acc[q][c]);
 }
-
-/* QB (a run-time count up to 6) as a compile-time constant for the kernels above. */
-#define MMKIT_TILE_QB(QB, CALL) \
-    switch (QB) {               \
-    case 6: CALL(6); break;     \
-    case 5: CALL(5); break;     \
-    case 4: CALL(4); break;     \
-    case 3: CALL(3); break;     \
-    case 2: CALL(2); break;     \
-    default: CALL(1); break;    \
-    }
 
 /* Rows [r0, r1) of one tile for KV head kvh (see attend_tile). The tile's context is gathered
  * once: K transposed into blocks of 16 keys (kt), V dense (vd). The tile's query vectors (row,

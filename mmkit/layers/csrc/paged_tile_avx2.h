@@ -1,7 +1,7 @@
 /* Prefill tiles of the paged rows kernel on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3,
  * Intel Haswell to Comet Lake). Included by paged_attention_cpu.c after its shared helpers
- * (Problem, load_context, tile_queries, softmax_numerators, store_head); nothing here is
- * compiled on its own.
+ * (Problem, load_context, transpose_keys, tile_queries, MMKIT_TILE_QB, softmax_numerators,
+ * store_head); nothing here is compiled on its own.
  *
  * Without it such a CPU ran a prefill chunk's rows one by one through the decode kernel: every
  * row gathered and widened its whole context again, and each score was an 8-lane dot product
@@ -88,16 +88,9 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(const Problem
         int64_t lens[MMKIT_TILE2_QG], heads[MMKIT_TILE2_QG], owners[MMKIT_TILE2_QG];
         const int64_t longest = tile_queries(p, r0, kvh, v0, qn, qf, owners, heads, lens, D, dtype);
         const int64_t blocks = (longest + 15) / 16;
-        for (int64_t b = 0; b < blocks; b++) {
-            switch (qn) {
-            case 6: tile2_scores(scores, stride, qf, kt, b, 6, D); break;
-            case 5: tile2_scores(scores, stride, qf, kt, b, 5, D); break;
-            case 4: tile2_scores(scores, stride, qf, kt, b, 4, D); break;
-            case 3: tile2_scores(scores, stride, qf, kt, b, 3, D); break;
-            case 2: tile2_scores(scores, stride, qf, kt, b, 2, D); break;
-            default: tile2_scores(scores, stride, qf, kt, b, 1, D); break;
-            }
-        }
+#define MMKIT_SCORES(QB) tile2_scores(scores, stride, qf, kt, b, QB, D)
+        for (int64_t b = 0; b < blocks; b++) MMKIT_TILE_QB(qn, MMKIT_SCORES)
+#undef MMKIT_SCORES
         for (int j = 0; j < qn; j++) {
             float *sj = scores + j * stride;
             softmax_numerators(sj, 1, stride, lens[j], sums + j, dtype);
