@@ -62,12 +62,15 @@ def test_float32_panels_round_trip():
 @needs_panels
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 130, 300])
 @pytest.mark.parametrize("n,k", [(96, 64), (45, 11), (33, 599)])
-def test_float32_panel_gemm_matches_torch(m, n, k):
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_float32_panel_gemm_matches_torch(m, n, k, with_bias):
+    """Without a bias, whole panels of float32 output are written in place by the AVX2 kernel
+    (no copy); with one, or for the last, partial panel (n = 45, 33), through a buffer."""
     w = torch.randn(n, k, generator=_gen(13))
-    b = torch.randn(n, generator=_gen(14))
+    b = torch.randn(n, generator=_gen(14)) if with_bias else None
     x = torch.randn(m, k + 3, generator=_gen(15))[:, :k]
     out = linear_panels.gemm(x, linear_panels.pack(w), n, b)
-    ref = F.linear(x.double(), w.double(), b.double())
+    ref = F.linear(x.double(), w.double(), b.double() if with_bias else None)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
@@ -135,13 +138,15 @@ def test_float32_linear_runs_the_gemv_for_few_rows_without_panels(monkeypatch):
 
 @needs_panels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_panel_gemm_rows_do_not_depend_on_their_batch(dtype):
+@pytest.mark.parametrize("n,with_bias", [(70, True), (64, False)])
+def test_panel_gemm_rows_do_not_depend_on_their_batch(dtype, n, with_bias):
     """Each output row is bit-identical whether its row of x runs alone (the batch-1 kernel) or
-    among 300 others (the blocked kernels, several chunks): every path sums each column in the
-    same order, so a request's result does not depend on what shares its step."""
-    n, k = 70, 598
+    among 300 others (the blocked kernels, several chunks, the first block of each prefetching
+    the panel, whole float32 panels written in place when there is no bias): every path sums
+    each column in the same order, so a request's result does not depend on what shares its step."""
+    k = 598
     w = torch.randn(n, k, generator=_gen(21)).to(dtype)
-    b = torch.randn(n, generator=_gen(22)).to(dtype)
+    b = torch.randn(n, generator=_gen(22)).to(dtype) if with_bias else None
     x = torch.randn(301, k, generator=_gen(23)).to(dtype)
     panels = linear_panels.pack(w)
     batched = linear_panels.gemm(x, panels, n, b)
