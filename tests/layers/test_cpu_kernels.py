@@ -65,9 +65,11 @@ def test_decode_kernel_matches_torch_reference(dtype, atol, heads, kv_heads, dim
 @needs_kernels
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(1, 80), min_size=1, max_size=6), block_size=st.sampled_from([1, 4, 16]),
-       group=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
-def test_decode_kernel_property(lens, block_size, group, seed):
-    q, k_cache, v_cache, meta = _decode_problem(lens, 2 * group, 2, 16, block_size, torch.float32, seed=seed)
+       group=st.sampled_from([1, 2, 3]), dim=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_decode_kernel_property(lens, block_size, group, dim, seed):
+    """dim 16 runs the portable item, 64 the vector ones (AVX-512 or AVX2), whose chunks of 8
+    or 16 keys cross blocks of 1 and 4 rows here."""
+    q, k_cache, v_cache, meta = _decode_problem(lens, 2 * group, 2, dim, block_size, torch.float32, seed=seed)
     out = _kernel(q, k_cache, v_cache, meta, 0.25)
     ref = decode_attention_torch(q, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)

@@ -126,9 +126,10 @@ def test_generic_build_runs_the_portable_paths(tmp_path):
 
 @needs_kernels
 def test_avx2_build_runs_the_avx2_paths(tmp_path):
-    """The AVX2 panels and prefill tiles (csrc/paged_tile_avx2.h) on any AVX2 CPU, AVX-512 ones
-    included: built with MMKIT_KERNEL_NO_AVX512=1, the same tile and panel tests run against
-    their references (rows bit-identical whatever their tile, F.linear, the torch decode path)."""
+    """The AVX2 panels, prefill tiles (csrc/paged_tile_avx2.h) and decode items
+    (csrc/paged_item_avx2.h) on any AVX2 CPU, AVX-512 ones included: built with
+    MMKIT_KERNEL_NO_AVX512=1, the same tile, decode and panel tests run against their references
+    (rows bit-identical whatever their tile, F.linear, the torch decode path)."""
     cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if " avx2" not in cpu_flags or " fma" not in cpu_flags:
         pytest.skip("needs an AVX2 + FMA CPU")
@@ -141,6 +142,6 @@ def test_avx2_build_runs_the_avx2_paths(tmp_path):
     tests = Path(__file__).parent
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(tests / "test_cpu_kernels.py"), str(tests / "test_linear_kernels.py"),
-                           "-k", "tile or sdpa or panel"], env=env, capture_output=True, text=True, timeout=900)
+                           "-k", "tile or sdpa or panel or decode_kernel"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1500:]

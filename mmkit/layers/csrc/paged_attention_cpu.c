@@ -3,9 +3,10 @@
  * `cc -O3 -march=native -fopenmp -shared`; the torch path in attention.py is the reference.
  *
  * Cache layout (per layer): [num_kv_heads, num_blocks, block_size, head_dim], as attention.py.
- * Work item = (sequence, kv head): the item's K rows are read once from the cache into a dense
- * float32 scratch, the `group` query heads sharing that KV head are scored against it, and
- * likewise for V. Scores for the whole context are kept (exact softmax in two passes, float32
+ * Work item = (sequence, kv head): the `group` query heads sharing that KV head are scored
+ * against the item's K rows, then likewise for V. The vector items (AVX-512 here, AVX2 in
+ * paged_item_avx2.h) read float32 rows in place and widen bf16 rows a chunk at a time; the
+ * portable item (attend_item) first copies the item's rows into a dense float32 scratch. Scores for the whole context are kept (exact softmax in two passes, float32
  * throughout); a decode token's context is at most max_model_len, so the scratch stays small.
  *
  * Sliding-window layers pass `context_starts`: sequence s attends rows [start_s, len_s) of its
@@ -194,6 +195,38 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     }
 }
 
+/* Ask for the cache lines of rows [t0, t0 + n) ahead of use (into L2: L1 prefetches of a
+ * whole block at once stalled on the line-fill buffers). Blocks sit at random places in
+ * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
+ * kernel's time was spent waiting on the first loads of each block. */
+static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
+                                                                  int64_t n, int64_t first_block_row,
+                                                                  int64_t block_size, int64_t row_bytes) {
+    int64_t b = t0 / block_size, off = t0 % block_size;
+    for (int64_t i = 0; i < n;) {
+        const int64_t run = n - i < block_size - off ? n - i : block_size - off; /* rows left in block b */
+        const char *start = (const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes;
+        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) __builtin_prefetch(start + byte, 0, 2); /* prefetcht1 on x86 */
+        i += run;
+        off = 0;
+        b++;
+    }
+}
+
+/* Cache rows of context tokens [t0, t0 + n): rows[i] = the row index of token t0 + i. */
+static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, const int64_t *table, int64_t t0,
+                                                               int64_t n, int64_t first_block_row,
+                                                               int64_t block_size) {
+    int64_t b = t0 / block_size, off = t0 % block_size;
+    for (int64_t i = 0; i < n; i++) {
+        slots[i] = (first_block_row + table[b]) * block_size + off;
+        if (++off == block_size) {
+            off = 0;
+            b++;
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -280,38 +313,6 @@ static inline __attribute__((always_inline)) void load_chunk(float *restrict dst
                 _mm512_storeu_ps(d + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
             }
         }
-        if (++off == block_size) {
-            off = 0;
-            b++;
-        }
-    }
-}
-
-/* Ask for the cache lines of rows [t0, t0 + n) ahead of use (into L2: L1 prefetches of a
- * whole block at once stalled on the line-fill buffers). Blocks sit at random places in
- * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
- * kernel's time was spent waiting on the first loads of each block. */
-static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
-                                                                  int64_t n, int64_t first_block_row,
-                                                                  int64_t block_size, int64_t row_bytes) {
-    int64_t b = t0 / block_size, off = t0 % block_size;
-    for (int64_t i = 0; i < n;) {
-        const int64_t run = n - i < block_size - off ? n - i : block_size - off; /* rows left in block b */
-        const char *start = (const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes;
-        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) _mm_prefetch(start + byte, _MM_HINT_T1);
-        i += run;
-        off = 0;
-        b++;
-    }
-}
-
-/* Cache rows of context tokens [t0, t0 + n): rows[i] = the row index of token t0 + i. */
-static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, const int64_t *table, int64_t t0,
-                                                               int64_t n, int64_t first_block_row,
-                                                               int64_t block_size) {
-    int64_t b = t0 / block_size, off = t0 % block_size;
-    for (int64_t i = 0; i < n; i++) {
-        slots[i] = (first_block_row + table[b]) * block_size + off;
         if (++off == block_size) {
             off = 0;
             b++;
@@ -523,9 +524,13 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
 
 /* One (sequence, kv head) item, gathering its own context from the cache: the compiled
  * variant for the head size and dtype (constant loop bounds), else the generic one. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include "paged_item_avx2.h"
+#endif
+
 static void attend_one(const Problem *p, int64_t item, float *scores, float *acc, float *rows, int64_t head_dim,
                        int dtype) {
-    (void)acc; /* scratch of the AVX-512 variant only */
+    (void)acc; /* scratch of the AVX-512 and AVX2 variants only */
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
     if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_bf16dp(p, item, scores, acc, 4);
@@ -536,6 +541,12 @@ static void attend_one(const Problem *p, int64_t item, float *scores, float *acc
     else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_avx512(p, item, scores, acc, rows, 8, MMKIT_BF16);
     else if (dtype == MMKIT_F32 && head_dim == 64) attend_item_avx512(p, item, scores, acc, rows, 4, MMKIT_F32);
     else if (dtype == MMKIT_F32 && head_dim == 128) attend_item_avx512(p, item, scores, acc, rows, 8, MMKIT_F32);
+    else
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_avx2(p, item, scores, acc, rows, 8, MMKIT_BF16);
+    else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_avx2(p, item, scores, acc, rows, 16, MMKIT_BF16);
+    else if (dtype == MMKIT_F32 && head_dim == 64) attend_item_avx2(p, item, scores, acc, rows, 8, MMKIT_F32);
+    else if (dtype == MMKIT_F32 && head_dim == 128) attend_item_avx2(p, item, scores, acc, rows, 16, MMKIT_F32);
     else
 #endif
     if (dtype == MMKIT_BF16 && head_dim == 64) attend_item(p, item, scores, rows, 64, MMKIT_BF16);
