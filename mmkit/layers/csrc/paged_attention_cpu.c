@@ -90,6 +90,38 @@ typedef struct {
     float scale;
 } Problem;
 
+/* A decode work item: sequence s's context rows [start, len) of KV head kvh, and its `group`
+ * query heads. The vector items (AVX-512 here, AVX2 in paged_item_avx2.h) share this setup. */
+typedef struct {
+    int64_t group, max_len, s, kvh, start, len, first_row, row_bytes;
+    const int64_t *table;
+} Item;
+
+static inline Item item_of(const Problem *p, int64_t item) {
+    Item it;
+    it.group = p->num_heads / p->num_kv_heads;
+    it.max_len = p->max_blocks * p->block_size;
+    it.s = item / p->num_kv_heads;
+    it.kvh = item % p->num_kv_heads;
+    it.start = p->context_starts ? p->context_starts[it.s] : 0;
+    it.len = p->context_lens[it.s];
+    it.table = p->block_ids + it.s * p->max_blocks;
+    it.first_row = it.kvh * p->num_blocks;
+    it.row_bytes = 0; /* set by item_begin */
+    return it;
+}
+
+/* The item's query heads as float32 times the scale: qf [group, head_dim]. */
+static inline __attribute__((always_inline)) void item_queries(float *restrict qf, const Problem *p, const Item *it,
+                                                                const int64_t head_dim, const int dtype) {
+    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
+    const char *qrow = (const char *)p->q + it->s * p->q_row_stride * elem;
+    for (int64_t g = 0; g < it->group; g++) {
+        load_row(qf + g * head_dim, qrow, it->kvh * it->group + g, head_dim, dtype);
+        for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] *= p->scale;
+    }
+}
+
 /* Context rows [start, len) of one KV head, gathered block by block into dense float32 rows
  * (`dst`, [len - start, head_dim]; L2-resident scratch): each cache row is read from memory once,
  * and the `group` query heads then stream the dense copy. */
@@ -212,6 +244,42 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *cac
         b++;
     }
 }
+
+/* A vector item's start: where its rows are, its query heads into qf ([group, head_dim],
+ * float32, scaled), and the prefetch of its first 16 K rows. */
+static inline __attribute__((always_inline)) Item item_begin(const Problem *p, int64_t item, int64_t head_dim,
+                                                              int dtype, float *restrict qf) {
+    Item it = item_of(p, item);
+    it.row_bytes = head_dim * (dtype == MMKIT_F32 ? 4 : 2);
+    item_queries(qf, p, &it, head_dim, dtype);
+    const int64_t first_n = it.len - it.start < 16 ? it.len - it.start : 16;
+    prefetch_chunk(p->k_cache, it.table, it.start, first_n, it.first_row, p->block_size, it.row_bytes);
+    return it;
+}
+
+/* A vector item's end: each query head's accumulated P V times 1 / its softmax sum, out. */
+static inline __attribute__((always_inline)) void item_store(const Problem *p, const Item *it, const float *acc_all,
+                                                              const float *sums, int64_t head_dim, int dtype) {
+    for (int64_t g = 0; g < it->group; g++)
+        store_head(p->out, (it->s * p->num_heads + it->kvh * it->group + g) * head_dim, acc_all + g * head_dim,
+                   1.0f / sums[g], head_dim, dtype);
+}
+
+/* A vector item's P V over one chunk of n rows (rp[i], float32), in vectors of W floats (VT,
+ * and its LOADU, STOREU, SET1, FMADD): for each query head g, acc_g += sum_i p_g,t0+i rp[i],
+ * NC accumulators held in registers across the chunk, one FMA chain over rows in order. The
+ * item's scores, acc_all, group, max_len, head_dim and start are in scope. */
+#define MMKIT_ITEM_PV(VT, W, LOADU, STOREU, SET1, FMADD)                                          \
+    for (int64_t g = 0; g < group; g++) {                                                         \
+        const float *sg = scores + g * max_len + (t0 - start);                                    \
+        VT a[NC];                                                                                 \
+        for (int c = 0; c < NC; c++) a[c] = LOADU(acc_all + g * head_dim + (W) * c);              \
+        for (int64_t i = 0; i < n; i++) {                                                         \
+            const VT pr = SET1(sg[i]);                                                            \
+            for (int c = 0; c < NC; c++) a[c] = FMADD(pr, LOADU(rp[i] + (W) * c), a[c]);          \
+        }                                                                                         \
+        for (int c = 0; c < NC; c++) STOREU(acc_all + g * head_dim + (W) * c, a[c]);              \
+    }
 
 /* Cache rows of context tokens [t0, t0 + n): rows[i] = the row index of token t0 + i. */
 static inline __attribute__((always_inline)) void chunk_slots(int64_t *slots, const int64_t *table, int64_t t0,
@@ -344,25 +412,12 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
                                                                       float *restrict rows, const int NC,
                                                                       const int dtype) {
     const int64_t head_dim = 16 * NC;
-    const int64_t group = p->num_heads / p->num_kv_heads;
-    const int64_t max_len = p->max_blocks * p->block_size;
-    const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
-    const int64_t start = p->context_starts ? p->context_starts[s] : 0;
-    const int64_t len = p->context_lens[s];
-    const int64_t *table = p->block_ids + s * p->max_blocks;
-    const int64_t first_row = kvh * p->num_blocks;
-    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
-    const char *qrow = (const char *)p->q + s * p->q_row_stride * elem;
-    float qf[group * head_dim];
-    for (int64_t g = 0; g < group; g++) {
-        load_row(qf + g * head_dim, qrow, kvh * group + g, head_dim, dtype);
-        for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] *= p->scale;
-    }
-    const int64_t row_bytes = head_dim * elem;
-    /* Pass 1: scores */
-    /* Rows t0 in [start, len); scores and softmax index them from 0 (t0 - start). */
+    float qf[p->num_heads / p->num_kv_heads * head_dim];
+    const Item it = item_begin(p, item, head_dim, dtype, qf);
+    const int64_t group = it.group, max_len = it.max_len, start = it.start, len = it.len, first_row = it.first_row;
+    const int64_t *table = it.table, row_bytes = it.row_bytes;
+    /* Pass 1: scores. Rows t0 in [start, len); scores and softmax index them from 0 (t0 - start). */
     const int64_t first_n = len - start < 16 ? len - start : 16;
-    prefetch_chunk(p->k_cache, table, start, first_n, first_row, p->block_size, row_bytes);
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
@@ -394,21 +449,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         if (ahead > 0) prefetch_chunk(p->v_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's V rows as float32 */
         chunk_rows(rp, rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
-        for (int64_t g = 0; g < group; g++) {
-            const float *sg = scores + g * max_len + (t0 - start);
-            __m512 a[NC];
-            for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(acc_all + g * head_dim + 16 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m512 pr = _mm512_set1_ps(sg[i]);
-                for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(rp[i] + 16 * c), a[c]);
-            }
-            for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc_all + g * head_dim + 16 * c, a[c]);
-        }
+        MMKIT_ITEM_PV(__m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
     }
-    for (int64_t g = 0; g < group; g++) {
-        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc_all + g * head_dim,
-                   1.0f / sums[g], head_dim, dtype);
-    }
+    item_store(p, &it, acc_all, sums, head_dim, dtype);
 }
 #endif
 
@@ -438,13 +481,10 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
                                                                       float *restrict scores,
                                                                       float *restrict acc_all, const int NC) {
     const int64_t head_dim = 16 * NC;
-    const int64_t group = p->num_heads / p->num_kv_heads;
-    const int64_t max_len = p->max_blocks * p->block_size;
-    const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
-    const int64_t start = p->context_starts ? p->context_starts[s] : 0;
-    const int64_t len = p->context_lens[s];
-    const int64_t *table = p->block_ids + s * p->max_blocks;
-    const int64_t first_row = kvh * p->num_blocks;
+    const Item it = item_of(p, item);
+    const int64_t group = it.group, max_len = it.max_len, s = it.s, kvh = it.kvh, start = it.start, len = it.len;
+    const int64_t first_row = it.first_row;
+    const int64_t *table = it.table;
     const uint16_t *qrow = (const uint16_t *)p->q + s * p->q_row_stride;
     const uint16_t *kc = (const uint16_t *)p->k_cache, *vc = (const uint16_t *)p->v_cache;
     const int64_t row_bytes = head_dim * 2;

@@ -1,7 +1,7 @@
 /* The decode work item (one query row, one KV head, its whole context) on CPUs with AVX2 and
  * FMA but no AVX-512 (AMD Zen 2/3, Intel Haswell to Comet Lake). Included by
- * paged_attention_cpu.c after its shared helpers (Problem, load_row, prefetch_chunk,
- * chunk_slots, softmax_numerators, store_head); nothing here is compiled on its own.
+ * paged_attention_cpu.c after its shared helpers (Problem, Item, item_begin, item_store,
+ * MMKIT_ITEM_PV, chunk_slots, prefetch_chunk, softmax_numerators); nothing here is compiled on its own.
  *
  * Without it such a CPU ran the portable attend_item: it first copied the item's whole K
  * context into a dense scratch (then V), float32 included, and reduced every score alone (an
@@ -62,34 +62,21 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Problem
                                                                     float *restrict rows, const int NC,
                                                                     const int dtype) {
     const int64_t head_dim = 8 * NC;
-    const int64_t group = p->num_heads / p->num_kv_heads;
-    const int64_t max_len = p->max_blocks * p->block_size;
-    const int64_t s = item / p->num_kv_heads, kvh = item % p->num_kv_heads;
-    const int64_t start = p->context_starts ? p->context_starts[s] : 0;
-    const int64_t len = p->context_lens[s];
-    const int64_t *table = p->block_ids + s * p->max_blocks;
-    const int64_t first_row = kvh * p->num_blocks;
-    const int64_t elem = dtype == MMKIT_F32 ? 4 : 2;
-    const int64_t row_bytes = head_dim * elem;
-    const char *qrow = (const char *)p->q + s * p->q_row_stride * elem;
-    float qf[group * head_dim];
-    for (int64_t g = 0; g < group; g++) {
-        load_row(qf + g * head_dim, qrow, kvh * group + g, head_dim, dtype);
-        for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] *= p->scale;
-    }
-    /* Pass 1: scores of rows [start, len), indexed from 0 (t0 - start). The next 16 rows are
+    float qf[p->num_heads / p->num_kv_heads * head_dim];
+    const Item it = item_begin(p, item, head_dim, dtype, qf);
+    const int64_t group = it.group, max_len = it.max_len;
+    /* Pass 1: scores of rows [it.start, it.len), indexed from 0. The next 16 rows are
      * prefetched while these 8 are scored; past the end, V's first rows. */
-    const int64_t first_n = len - start < 16 ? len - start : 16;
-    prefetch_chunk(p->k_cache, table, start, first_n, first_row, p->block_size, row_bytes);
-    for (int64_t t0 = start; t0 < len; t0 += 8) {
-        const int64_t n = len - t0 < 8 ? len - t0 : 8;
-        if ((t0 - start) % 16 == 0) {
-            const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-            if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-            else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+    for (int64_t t0 = it.start; t0 < it.len; t0 += 8) {
+        const int64_t n = it.len - t0 < 8 ? it.len - t0 : 8;
+        if ((t0 - it.start) % 16 == 0) {
+            const int64_t ahead = it.len - t0 - 16 < 16 ? it.len - t0 - 16 : 16;
+            if (ahead > 0) prefetch_chunk(p->k_cache, it.table, t0 + 16, ahead, it.first_row, p->block_size, it.row_bytes);
+            else prefetch_chunk(p->v_cache, it.table, it.start, it.len - it.start < 16 ? it.len - it.start : 16,
+                                it.first_row, p->block_size, it.row_bytes);
         }
         const float *rp[8];
-        chunk_rows8(rp, rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
+        chunk_rows8(rp, rows, p->k_cache, it.table, t0, n, it.first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
             const float *q = qf + g * head_dim;
             __m256 part[8];
@@ -101,37 +88,24 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Problem
             }
             float sc[8];
             _mm256_storeu_ps(sc, reduce8(part));
-            for (int64_t i = 0; i < n; i++) scores[g * max_len + (t0 - start) + i] = sc[i];
+            for (int64_t i = 0; i < n; i++) scores[g * max_len + (t0 - it.start) + i] = sc[i];
         }
     }
     float sums[group];
-    softmax_numerators(scores, group, max_len, len - start, sums, dtype);
+    softmax_numerators(scores, group, max_len, it.len - it.start, sums, dtype);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
-    for (int64_t t0 = start; t0 < len; t0 += 8) {
-        const int64_t n = len - t0 < 8 ? len - t0 : 8;
-        if ((t0 - start) % 16 == 0) {
-            const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-            if (ahead > 0) prefetch_chunk(p->v_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        }
+    for (int64_t t0 = it.start; t0 < it.len; t0 += 8) {
+        const int64_t n = it.len - t0 < 8 ? it.len - t0 : 8;
+        const int64_t ahead = it.len - t0 - 16 < 16 ? it.len - t0 - 16 : 16;
+        if ((t0 - it.start) % 16 == 0 && ahead > 0)
+            prefetch_chunk(p->v_cache, it.table, t0 + 16, ahead, it.first_row, p->block_size, it.row_bytes);
         const float *rp[8];
-        chunk_rows8(rp, rows, p->v_cache, table, t0, n, first_row, p->block_size, NC, dtype);
-        for (int64_t g = 0; g < group; g++) {
-            const float *sg = scores + g * max_len + (t0 - start);
-            float *acc = acc_all + g * head_dim;
-            __m256 a[NC];
-            for (int c = 0; c < NC; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 pr = _mm256_set1_ps(sg[i]);
-                for (int c = 0; c < NC; c++) a[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(rp[i] + 8 * c), a[c]);
-            }
-            for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
-        }
+        chunk_rows8(rp, rows, p->v_cache, it.table, t0, n, it.first_row, p->block_size, NC, dtype);
+        const int64_t start = it.start;
+        MMKIT_ITEM_PV(__m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
     }
-    for (int64_t g = 0; g < group; g++) {
-        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc_all + g * head_dim,
-                   1.0f / sums[g], head_dim, dtype);
-    }
+    item_store(p, &it, acc_all, sums, head_dim, dtype);
 }
 
 #endif
