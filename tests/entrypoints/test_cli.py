@@ -17,6 +17,13 @@ from conftest import get_llm, make_image
 NUM_BIG = 80
 
 
+def _sigint_default():
+    # The interrupt tests ask what a Ctrl-C in a terminal does, where SIGINT is SIG_DFL. A child
+    # inherits SIG_IGN from its parent, and Python then raises no KeyboardInterrupt: one full run
+    # here saw both children finish with status 0. So the child's disposition is set, not inherited.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def mmkit(*args, timeout=300, **kwargs):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     return subprocess.run([sys.executable, "-m", "mmkit", *args], capture_output=True, text=True,
@@ -150,7 +157,7 @@ def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_c
     cmd = [sys.executable, "-m", "mmkit", "eval", str(big), "--output", str(results), "--model", str(tiny_ckpt),
            "--max-tokens", "24", "--no-progress", "--max-in-flight", "4"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if results.exists() and len(results.read_bytes().splitlines()) >= 20:
@@ -174,7 +181,7 @@ def test_caption_sigint_prints_one_line_and_exits_130(tiny_ckpt, tmp_path):
     images = [str(tmp_path / "0.png")] * 64
     proc = subprocess.Popen([sys.executable, "-m", "mmkit", "caption", *images, "--model", str(tiny_ckpt),
                              "--max-tokens", "400"], env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     line = proc.stderr.readline()
     while line and "model loaded" not in line:  # loading first, then the time it took
         line = proc.stderr.readline()
