@@ -17,17 +17,27 @@ from conftest import get_llm, make_image
 NUM_BIG = 80
 
 
-def _sigint_default():
-    # The interrupt tests ask what a Ctrl-C in a terminal does, where SIGINT is SIG_DFL. A child
-    # inherits SIG_IGN from its parent, and Python then raises no KeyboardInterrupt: one full run
-    # here saw both children finish with status 0. So the child's disposition is set, not inherited.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _env() -> dict:
+    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
 
 
 def mmkit(*args, timeout=300, **kwargs):
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     return subprocess.run([sys.executable, "-m", "mmkit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kwargs)
+                          timeout=timeout, env=_env(), **kwargs)
+
+
+def _sigint_default():
+    # A child inherits an ignored SIGINT (SIG_IGN) from its parent, and Python then raises no
+    # KeyboardInterrupt: both interrupt tests once saw their child run to the end (status 0) in a
+    # full run. They ask what a Ctrl-C in a terminal does, where SIGINT is SIG_DFL: set, not inherited.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn(*args, **kwargs) -> subprocess.Popen:
+    """`mmkit ARGS` running in the background (pipes for its output unless kwargs say otherwise)."""
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+    return subprocess.Popen([sys.executable, "-m", "mmkit", *args], env=_env(), preexec_fn=_sigint_default,
+                            **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +138,8 @@ def test_eval_resumes_after_sigkill(tiny_ckpt, dataset, tmp_path):
         r["image"] = str(dataset.parent / r["image"])
     big.write_text("".join(json.dumps(r) + "\n" for r in big_rows))
     results = tmp_path / "big_res.jsonl"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "mmkit", "eval", str(big), "--output", str(results), "--model",
-                             str(tiny_ckpt), "--max-tokens", "24", "--no-progress", "--max-in-flight", "4"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn("eval", str(big), "--output", str(results), "--model", str(tiny_ckpt), "--max-tokens", "24",
+                 "--no-progress", "--max-in-flight", "4", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline:
         if results.exists() and len(results.read_bytes().splitlines()) >= 20:
@@ -154,10 +162,9 @@ def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_c
     big.write_text("".join(json.dumps(dict(rows[i % 60], question=f"Q{i}", image=str(dataset.parent / rows[i % 60]["image"])))
                            + "\n" for i in range(NUM_BIG)))
     results = tmp_path / "int_res.jsonl"
-    cmd = [sys.executable, "-m", "mmkit", "eval", str(big), "--output", str(results), "--model", str(tiny_ckpt),
-           "--max-tokens", "24", "--no-progress", "--max-in-flight", "4"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    args = ["eval", str(big), "--output", str(results), "--model", str(tiny_ckpt), "--max-tokens", "24",
+            "--no-progress", "--max-in-flight", "4"]
+    proc = spawn(*args)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if results.exists() and len(results.read_bytes().splitlines()) >= 20:
@@ -171,7 +178,7 @@ def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_c
     assert 0 < done < NUM_BIG, "interrupt the run part way"
     assert stderr.strip().splitlines()[-1] == (f"mmkit eval: interrupted: {done} of {NUM_BIG} done (in {results}); "
                                               "run the same command again to resume")
-    out = mmkit(*cmd[3:])
+    out = mmkit(*args)
     assert out.returncode == 0, out.stderr
     assert sorted(r["index"] for r in read_results(results)) == list(range(NUM_BIG))  # every item exactly once
 
@@ -179,9 +186,7 @@ def test_eval_sigint_stops_cleanly_and_the_rerun_completes_each_item_once(tiny_c
 def test_caption_sigint_prints_one_line_and_exits_130(tiny_ckpt, tmp_path):
     make_image(0).save(tmp_path / "0.png")
     images = [str(tmp_path / "0.png")] * 64
-    proc = subprocess.Popen([sys.executable, "-m", "mmkit", "caption", *images, "--model", str(tiny_ckpt),
-                             "--max-tokens", "400"], env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    proc = spawn("caption", *images, "--model", str(tiny_ckpt), "--max-tokens", "400")
     line = proc.stderr.readline()
     while line and "model loaded" not in line:  # loading first, then the time it took
         line = proc.stderr.readline()

@@ -1,26 +1,36 @@
-"""The TTFT loop of host_speed_0211.log: batch-1 float32 time to first token, N requests in one process.
+"""The TTFT loop of host_speed_0211.log: batch-1 float32 time to first token, N requests in one process,
+with peer_worker.py's engine and prompts (the peers run's float32 batch-1 spec).
 
     PYTHONPATH=<a mmkit tree> python benchmarks/results/round4/m/host_ttft_loop.py 7
 """
-import json, statistics, sys, time
+import json
+import statistics
+import sys
+import time
 from pathlib import Path
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))  # benchmarks/
-import common
-spec = json.load(open(HERE / "peers_batch1.json"))[-1]["spec"]  # the float32 batch-1 spec
-common.set_threads(2)
-from mmkit import LLM, SamplingParams
-import mmkit
-llm = LLM(spec["model"], dtype=spec["dtype"], seed=0, max_num_seqs=128, max_model_len=2048,
-          kv_cache_memory=4 << 30, kv_cache_preallocate=True)
-def inputs(seed, n=1):
-    reqs = common.make_workload("uniform", n, seed=seed, uniform_len=64)
-    return [{"prompt_token_ids": [common.BOS_ID, common.IMAGE_ID] + r.text_ids,
-             "multi_modal_data": {"image": common.make_image(r.image_seed, spec["image_size"])}} for r in reqs]
-sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-llm.generate(inputs(999, 4), sp, use_tqdm=False)
-ts = []
+
+import common  # noqa: E402
+import peer_worker  # noqa: E402
+
+spec = next(r["spec"] for r in json.loads((HERE / "peers_batch1.json").read_text()) if r["dtype"] == "float32")
+run = peer_worker.build_engine(dict(spec, system="mmkit"))
+
+
+def inputs(seed: int, n: int = 1) -> list[dict]:
+    reqs = common.make_workload("uniform", n, seed=seed, uniform_len=spec["batch1_tokens"])
+    return peer_worker.inputs_of(reqs, spec["image_size"])
+
+
+run(inputs(999, 4), [1] * 4)  # warm-up
+times = []
 for rep in range(int(sys.argv[1])):
     x = inputs(500 + rep)
-    t = time.perf_counter(); llm.generate(x, sp, use_tqdm=False); ts.append(time.perf_counter() - t)
-print(mmkit.__file__, "TTFT ms median %.1f" % (1e3 * statistics.median(ts)), " ".join("%.0f" % (1e3 * t) for t in ts))
+    start = time.perf_counter()
+    run(x, [1])
+    times.append(time.perf_counter() - start)
+import mmkit  # noqa: E402  (which tree ran)
+
+print(mmkit.__file__, "TTFT ms median %.1f" % (1e3 * statistics.median(times)), " ".join("%.0f" % (1e3 * t) for t in times))
