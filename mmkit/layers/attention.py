@@ -40,17 +40,19 @@ _PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
 # (benchmarks/prefill_attention.py; benchmarks/results/round4/h/prefill_attention.log).
 PAGED_PREFILL_MAX_CONTEXT = 8192
 # Builds without AVX-512 (AVX2 CPUs: csrc/paged_tile_avx2.h) run the tiles at about half the
-# FMA rate: measured 0.65-0.97x SDPA's time from 64 to 512 keys and 1.2-1.8x from 768 (Zen 3,
-# 2 threads; benchmarks/results/round4/l/prefill_attention_avx2.log, final code), so longer
-# contexts keep SDPA there.
-PAGED_PREFILL_MAX_CONTEXT_AVX2 = 448
+# FMA rate, and their 512 KB-1 MB L2 holds less of a tile's gathered K and V (8 bytes a key per
+# head dimension in float32): measured 0.38-0.81x SDPA's time while that context is at most
+# 2 MiB (4096 keys at head_dim 64, 2048 at 128), level with it at 4 MiB (8192 x 64) and 1.18x
+# at 4 MiB (4096 x 128) (Zen 3, 2 threads; benchmarks/results/round4/n/tile_ab.log). So there
+# a chunk's keys times head_dim is capped instead.
+PAGED_PREFILL_MAX_KEYS_X_DIM_AVX2 = 4096 * 64
 
 
-def paged_prefill_max_context() -> int:
+def paged_prefill_max_context(head_dim: int) -> int:
     """The longest context a prefill chunk may have to run on the paged rows kernel."""
     if cpu_kernels.has_avx512():
         return PAGED_PREFILL_MAX_CONTEXT
-    return min(PAGED_PREFILL_MAX_CONTEXT, PAGED_PREFILL_MAX_CONTEXT_AVX2)
+    return min(PAGED_PREFILL_MAX_CONTEXT, PAGED_PREFILL_MAX_KEYS_X_DIM_AVX2 // head_dim)
 
 
 # Tokens of a chunk that share one read of their context from the cache (rows of one kernel
@@ -237,7 +239,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # The new K/V are in the cache now, so a prefill token at position p is a decode row
         # whose context is [0, p]: one kernel call for the whole step instead of an SDPA call
         # (about 1 ms of fixed cost each on CPU, whatever the chunk's length) per chunk.
-        rows = _rows_view(meta, q.shape[0], k_cache.shape[2])
+        rows = _rows_view(meta, q.shape[0], k_cache.shape[2], k_cache.shape[3])
         if rows is not None:
             view, tiles = rows
             out = cpu_kernels.paged_rows_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
@@ -256,12 +258,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _rows_view(meta: AttentionMetadata, num_tokens: int,
-               block_size: int) -> tuple[DecodeView, torch.Tensor] | None:
+def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int,
+               head_dim: int) -> tuple[DecodeView, torch.Tensor] | None:
     """The step's rows as decode rows of a global layer, with their tiles for
     `cpu_kernels.paged_rows_attention` (each decode alone, each chunk in runs of
     PREFILL_TILE tokens), or None when some chunk has bidirectional spans (its queries see
-    later keys) or a context past `paged_prefill_max_context()`, or the rows are not laid out as
+    later keys) or a context past `paged_prefill_max_context(head_dim)`, or the rows are not laid out as
     decodes first, then the chunks in order."""
     if meta._rows_view:
         return meta._rows_view[0]
@@ -271,7 +273,7 @@ def _rows_view(meta: AttentionMetadata, num_tokens: int,
     starts = [nd]
     for c in chunks:
         starts.append(starts[-1] + c.query_len)
-    max_context = paged_prefill_max_context()
+    max_context = paged_prefill_max_context(head_dim)
     if (not any(c.spans or c.context_len > max_context for c in chunks) and starts[-1] == num_tokens
             and all(c.query_start == s for c, s in zip(chunks, starts))):
         live = [-(-c.context_len // block_size) for c in chunks]

@@ -16,7 +16,7 @@ only takes the step when every part of every layer is one of those kernels:
 - a decode-only step with one attention view for every layer (no sliding layer whose window
   cuts a context), or a step with prefill chunks that the paged rows kernel attends as the
   per-module path does (every layer global, `MMKIT_PAGED_PREFILL` on, no chunk with
-  bidirectional image spans or a context past `attention.paged_prefill_max_context()`);
+  bidirectional image spans or a context past `attention.paged_prefill_max_context(head_dim)`);
 - no DeepStack features, bf16 or float32 on CPU.
 
 Anything else returns None and the modules run as before. `MMKIT_DECODE_STACK=0` turns it off
@@ -173,7 +173,7 @@ class DecodeStack:
             # chunk's tokens) is a decode row whose context ends at its own token.
             if self.windows != {None} or not attention._PAGED_PREFILL:
                 return None
-            rows = _rows_view(meta, tokens, kv_caches[0][0].shape[2])
+            rows = _rows_view(meta, tokens, kv_caches[0][0].shape[2], kv_caches[0][0].shape[3])
             if rows is None:
                 return None
             view, tiles = rows

@@ -1,7 +1,7 @@
 /* The decode work item (one query row, one KV head, its whole context) on CPUs with AVX2 and
  * FMA but no AVX-512 (AMD Zen 2/3, Intel Haswell to Comet Lake). Included by
  * paged_attention_cpu.c after its shared helpers (Problem, Item, item_begin, item_store,
- * MMKIT_ITEM_PV, chunk_slots, prefetch_chunk, softmax_numerators); nothing here is compiled on its own.
+ * MMKIT_ITEM_PV, chunk_slots, prefetch_chunk); nothing here is compiled on its own.
  *
  * Without it such a CPU ran the portable attend_item: it first copied the item's whole K
  * context into a dense scratch (then V), float32 included, and reduced every score alone (an
@@ -31,6 +31,65 @@ static inline __m256 reduce8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
 }
 
+/* exp_clamped of 8 lanes: the same operations, fused as the compiler fuses the scalar one
+ * (exp512's sequence in 256-bit vectors), so each lane equals exp_clamped's result. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f));
+    const __m256i n_int = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x4B400000));
+    const __m256 n = _mm256_sub_ps(shifted, _mm256_set1_ps(12582912.0f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 poly = _mm256_set1_ps(1.0f / 720.0f);
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120.0f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24.0f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6.0f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(poly), _mm256_slli_epi32(n_int, 23)));
+}
+
+/* softmax_numerators for one row of `len` scores in 8-lane vectors, the tail masked. gcc left
+ * softmax_numerators scalar where the AVX2 tile and item inline it ("control flow in loop": the
+ * clamp is not if-converted there), and its scalar max, exp and sum were about half of an AVX2
+ * prefill tile's samples at 2048 keys. bf16 rounding as softmax_numerators (finite values). */
+static inline void softmax_row256(float *sg, int64_t len, float *sum_out, const int dtype) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + t));
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(len - t)), lane); /* lanes < len - t */
+    if (t < len)
+        vmx = _mm256_max_ps(vmx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(sg + t, tail),
+                                                  _mm256_castsi256_ps(tail)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 vs = _mm256_setzero_ps();
+    for (t = 0; t < len; t += 8) {
+        const int whole = t + 8 <= len;
+        const __m256i m = whole ? _mm256_set1_epi32(-1) : tail;
+        const __m256 x = whole ? _mm256_loadu_ps(sg + t) : _mm256_maskload_ps(sg + t, m);
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, mx)), _mm256_castsi256_ps(m));
+        vs = _mm256_add_ps(vs, e);
+        __m256 stored = e;
+        if (dtype != MMKIT_F32) { /* round to nearest even at bit 16, as f32_to_bf16 */
+            const __m256i u = _mm256_castps_si256(e);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+            stored = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000u)));
+        }
+        if (whole) _mm256_storeu_ps(sg + t, stored);
+        else _mm256_maskstore_ps(sg + t, m, stored);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
+    *sum_out = _mm_cvtss_f32(s4);
+}
+
 /* rp[i] = context row t0 + i (i < n <= 8) as float32: in place for float32 caches, else widened
  * into `rows` (8 * NC floats a row). */
 static inline __attribute__((always_inline)) void chunk_rows8(const float **rp, float *rows, const void *cache,
@@ -55,7 +114,7 @@ static inline __attribute__((always_inline)) void chunk_rows8(const float **rp, 
 }
 
 /* attend_item for head_dim = 8 * NC. Scores: per key an FMA chain over its NC vectors, then
- * the 8 keys' lanes summed together (reduce8); softmax_numerators as every path; P V: per query
+ * the 8 keys' lanes summed together (reduce8); softmax_row256; P V: per query
  * head an FMA chain over keys in order, in NC accumulators. */
 static inline __attribute__((always_inline)) void attend_item_avx2(const Problem *p, int64_t item,
                                                                     float *restrict scores, float *restrict acc_all,
@@ -92,7 +151,7 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Problem
         }
     }
     float sums[group];
-    softmax_numerators(scores, group, max_len, it.len - it.start, sums, dtype);
+    for (int64_t g = 0; g < group; g++) softmax_row256(scores + g * max_len, it.len - it.start, sums + g, dtype);
     /* Pass 2: acc_g = sum_t p_gt v_t */
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
     for (int64_t t0 = it.start; t0 < it.len; t0 += 8) {

@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(const Problem
 #undef MMKIT_SCORES
         for (int j = 0; j < qn; j++) {
             float *sj = scores + j * stride;
-            softmax_numerators(sj, 1, stride, lens[j], sums + j, dtype);
+            softmax_row256(sj, lens[j], sums + j, dtype);
             for (int64_t t = lens[j]; t < longest; t++) sj[t] = 0.0f; /* keys after this query's */
         }
         for (int j0 = 0; j0 < qn; j0 += 3) {
