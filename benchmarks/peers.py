@@ -18,13 +18,14 @@ transformers-4.x hub layout, which vLLM 0.32 and mmkit both load):
 
 vLLM is configured as its CPU docs recommend: `VLLM_CPU_KVCACHE_SPACE` (GiB),
 `VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, tcmalloc and Intel OpenMP (libiomp5 from its venv)
-in `LD_PRELOAD`; mmkit with its defaults (`import mmkit` sets OMP_WAIT_POLICY=PASSIVE and
-GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048, a KV cache of
-VLLM_CPU_KVCACHE_SPACE GiB (4 unless set) committed at start-up: vLLM zeroes its whole cache
-when it loads, and mmkit does the same with `kv_cache_preallocate=True` (README, Engine
-arguments). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, whose page faults fall
-inside the timed passes. A greedy parity gate (the same
-4 requests through both) runs in every child before timing; float32 must agree exactly.
+in `LD_PRELOAD`, and `VLLM_USE_AOT_COMPILE=0` so that its compiled model is cached between
+children (start-up only; see `vllm_env`); mmkit with its defaults (`import mmkit` sets
+OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048,
+a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (4 unless set) committed at start-up: vLLM zeroes its
+whole cache when it loads, and mmkit does the same with `kv_cache_preallocate=True` (README,
+Engine arguments). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, whose page
+faults fall inside the timed passes. A greedy parity gate (the same 4 requests through both)
+runs in every child before timing; float32 must agree exactly.
 `../shared/peers/setup_vllm_cpu.sh` sets vLLM-CPU up in its own venv.
 """
 
@@ -76,6 +77,14 @@ def vllm_env(vllm_python: str, threads: int) -> dict:
     env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib()),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", LD_PRELOAD=":".join(preload),
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    # vLLM 0.32 saves its compiled model as an AOT artifact that its CPU torch (2.13) cannot load
+    # back ("'function' object has no attribute 'finalize_loading'"), so every child compiled
+    # the model again (2-3 minutes here). Without AOT compilation the same inductor graph is
+    # compiled once and then comes from torch's own cache (FX graph and AOT-autograd caches),
+    # and later children start in about a third of the time. It changes start-up only: vLLM
+    # calls the compiled graph without guard checks either way (its bytecode hook, or the AOT
+    # function's disabled guards). Set VLLM_USE_AOT_COMPILE=1 to run vLLM's default.
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     # mmkit's OpenMP defaults are for libgomp; vLLM brings its own OpenMP runtime and settings.
     for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(key, None)
