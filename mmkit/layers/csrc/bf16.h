@@ -52,4 +52,26 @@ static inline float exp_clamped(float x) {
     return out;
 }
 
+/* exp_clamped in vectors of one width: the same clamp, fused multiply-adds and exponent bits
+ * (gcc fuses the scalar one's multiply-adds likewise), so each lane equals exp_clamped's result.
+ * MMKIT_DEFINE_EXP_VEC(exp512, __m512, __m512i, _mm512, si512) defines __m512 exp512(__m512);
+ * expand it where that width's intrinsics (immintrin.h) are enabled. */
+#define MMKIT_DEFINE_EXP_VEC(NAME, VT, VI, P, SI)                                                                  \
+    static inline VT NAME(VT x) {                                                                                  \
+        x = P##_max_ps(P##_min_ps(x, P##_set1_ps(88.0f)), P##_set1_ps(-87.0f));                                    \
+        const VT shifted = P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(12582912.0f));           \
+        const VI n_int = P##_sub_epi32(P##_castps_##SI(shifted), P##_set1_epi32(0x4B400000));                      \
+        const VT n = P##_sub_ps(shifted, P##_set1_ps(12582912.0f));                                                \
+        VT r = P##_fnmadd_ps(n, P##_set1_ps(0.693145751953125f), x);                                               \
+        r = P##_fnmadd_ps(n, P##_set1_ps(1.428606765330187e-06f), r);                                              \
+        VT poly = P##_set1_ps(1.0f / 720.0f);                                                                      \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.0f / 120.0f));                                                  \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.0f / 24.0f));                                                   \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.0f / 6.0f));                                                    \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(0.5f));                                                           \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.0f));                                                           \
+        poly = P##_fmadd_ps(poly, r, P##_set1_ps(1.0f));                                                           \
+        return P##_cast##SI##_ps(P##_add_epi32(P##_castps_##SI(poly), P##_slli_epi32(n_int, 23)));               \
+    }
+
 #endif

@@ -318,23 +318,8 @@ static inline __m512 reduce16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp_clamped of 16 lanes, the same operations (fused as the compiler fuses the scalar one). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
-    const __m512i n_int = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_set1_epi32(0x4B400000));
-    const __m512 n = _mm512_sub_ps(shifted, _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 poly = _mm512_set1_ps(1.0f / 720.0f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(n_int, 23)));
-}
+/* exp_clamped of 16 lanes (bf16.h). */
+MMKIT_DEFINE_EXP_VEC(exp512, __m512, __m512i, _mm512, si512)
 
 /* softmax_numerators for one row of `len` scores, in 16-lane vectors with a masked tail: the
  * compiler left the scalar loop's remainder (up to 15 calls of a scalar exp per row) unvectorized,

@@ -31,24 +31,8 @@ static inline __m256 reduce8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
 }
 
-/* exp_clamped of 8 lanes: the same operations, fused as the compiler fuses the scalar one
- * (exp512's sequence in 256-bit vectors), so each lane equals exp_clamped's result. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f));
-    const __m256i n_int = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x4B400000));
-    const __m256 n = _mm256_sub_ps(shifted, _mm256_set1_ps(12582912.0f));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 poly = _mm256_set1_ps(1.0f / 720.0f);
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120.0f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24.0f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6.0f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(poly), _mm256_slli_epi32(n_int, 23)));
-}
+/* exp_clamped of 8 lanes (bf16.h). */
+MMKIT_DEFINE_EXP_VEC(exp256, __m256, __m256i, _mm256, si256)
 
 /* softmax_numerators for one row of `len` scores in 8-lane vectors, the tail masked. gcc left
  * softmax_numerators scalar where the AVX2 tile and item inline it ("control flow in loop": the
