@@ -44,6 +44,21 @@ def problem(length: int, dtype: torch.dtype):
     return q, k_cache, v_cache, ids, blocks, lens, k, v
 
 
+def median_ms(ways: dict, repeats: int) -> dict[str, float]:
+    """Each way (a no-argument callable) once to warm up, then `repeats` rounds calling the ways in
+    turn: the median time of each, ms."""
+    times = {w: [] for w in ways}
+    with torch.inference_mode():
+        for fn in ways.values():
+            fn()
+        for _ in range(repeats):
+            for w, fn in ways.items():
+                t = time.perf_counter()
+                fn()
+                times[w].append(1e3 * (time.perf_counter() - t))
+    return {w: statistics.median(ts) for w, ts in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024, 2048])
@@ -66,16 +81,7 @@ def main() -> None:
                 "rows": lambda: cpu_kernels.paged_rows_attention(q, k_cache, v_cache, ids, blocks, lens, single, scale),
                 "sdpa": lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale),
             }
-            times = {w: [] for w in ways}
-            with torch.inference_mode():
-                for fn in ways.values():
-                    fn()
-                for _ in range(args.repeats):
-                    for w, fn in ways.items():
-                        t = time.perf_counter()
-                        fn()
-                        times[w].append(1e3 * (time.perf_counter() - t))
-            med = {w: statistics.median(ts) for w, ts in times.items()}
+            med = median_ms(ways, args.repeats)
             print(f"{name:9s} L={length:5d}  tiles {med['tiles']:8.2f}  rows {med['rows']:8.2f}  sdpa {med['sdpa']:8.2f}"
                   f"  tiles/rows {med['tiles'] / med['rows']:.2f}  tiles/sdpa {med['tiles'] / med['sdpa']:.2f}")
 

@@ -239,7 +239,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # The new K/V are in the cache now, so a prefill token at position p is a decode row
         # whose context is [0, p]: one kernel call for the whole step instead of an SDPA call
         # (about 1 ms of fixed cost each on CPU, whatever the chunk's length) per chunk.
-        rows = _rows_view(meta, q.shape[0], k_cache.shape[2], k_cache.shape[3])
+        rows = _rows_view(meta, q.shape[0], k_cache)
         if rows is not None:
             view, tiles = rows
             out = cpu_kernels.paged_rows_attention(q, k_cache, v_cache, view.block_ids, view.max_blocks,
@@ -258,15 +258,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _rows_view(meta: AttentionMetadata, num_tokens: int, block_size: int,
-               head_dim: int) -> tuple[DecodeView, torch.Tensor] | None:
+def _rows_view(meta: AttentionMetadata, num_tokens: int,
+               k_cache: torch.Tensor) -> tuple[DecodeView, torch.Tensor] | None:
     """The step's rows as decode rows of a global layer, with their tiles for
     `cpu_kernels.paged_rows_attention` (each decode alone, each chunk in runs of
     PREFILL_TILE tokens), or None when some chunk has bidirectional spans (its queries see
-    later keys) or a context past `paged_prefill_max_context(head_dim)`, or the rows are not laid out as
-    decodes first, then the chunks in order."""
+    later keys) or a context past `paged_prefill_max_context(head_dim)`, or the rows are not
+    laid out as decodes first, then the chunks in order. `k_cache` (any layer's) gives the
+    block size and head_dim."""
     if meta._rows_view:
         return meta._rows_view[0]
+    _, _, block_size, head_dim = k_cache.shape
     view = None
     chunks = meta.prefills
     nd = meta.num_decode_tokens

@@ -173,7 +173,7 @@ class DecodeStack:
             # chunk's tokens) is a decode row whose context ends at its own token.
             if self.windows != {None} or not attention._PAGED_PREFILL:
                 return None
-            rows = _rows_view(meta, tokens, kv_caches[0][0].shape[2], kv_caches[0][0].shape[3])
+            rows = _rows_view(meta, tokens, kv_caches[0][0])
             if rows is None:
                 return None
             view, tiles = rows

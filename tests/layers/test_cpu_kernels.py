@@ -376,7 +376,7 @@ def test_prefill_with_bidirectional_spans_keeps_sdpa():
     from mmkit.layers import attention
 
     q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32, spans=((5, 12),))
-    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2], k_cache.shape[3]) is None
+    assert attention._rows_view(meta, q.shape[0], k_cache) is None
     out = attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     # row 2 + 5 (position 5) sees keys up to position 11 of its span: not what causal gives
     q2, k2, v2, kc2, vc2, meta2 = _mixed_step(torch.float32)
@@ -390,10 +390,10 @@ def test_long_prefill_chunks_keep_sdpa(monkeypatch):
     from mmkit.layers import attention
 
     q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
-    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2], k_cache.shape[3]) is not None
+    assert attention._rows_view(meta, q.shape[0], k_cache) is not None
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_CONTEXT", 36)  # the second chunk's context is 37
     q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
-    assert attention._rows_view(meta, q.shape[0], k_cache.shape[2], k_cache.shape[3]) is None
+    assert attention._rows_view(meta, q.shape[0], k_cache) is None
 
 
 @needs_kernels
@@ -402,13 +402,13 @@ def test_builds_without_avx512_cap_keys_times_head_dim(monkeypatch):
     (csrc/paged_tile_avx2.h): their own limit, on keys x head_dim, applies there, and only there."""
     from mmkit.layers import attention
 
-    q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
-    dim = k_cache.shape[3]
+    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: False)
+    assert [attention.paged_prefill_max_context(d) for d in (64, 128, 256)] == [4096, 2048, 1024]
+    dim = 16  # _mixed_step's head_dim
     monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_KEYS_X_DIM_AVX2", 36 * dim)  # the second chunk's context is 37
     for avx512, taken in ((True, True), (False, False)):
         monkeypatch.setattr(cpu_kernels, "has_avx512", lambda avx512=avx512: avx512)
         q, k, v, k_cache, v_cache, meta = _mixed_step(torch.float32)
-        assert (attention._rows_view(meta, q.shape[0], k_cache.shape[2], dim) is not None) is taken
+        assert k_cache.shape[3] == dim
+        assert (attention._rows_view(meta, q.shape[0], k_cache) is not None) is taken
     assert attention.paged_prefill_max_context(dim) == 36
-    monkeypatch.setattr(attention, "PAGED_PREFILL_MAX_KEYS_X_DIM_AVX2", 4096 * 64)
-    assert [attention.paged_prefill_max_context(d) for d in (64, 128, 256)] == [4096, 2048, 1024]

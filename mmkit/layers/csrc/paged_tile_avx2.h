@@ -1,7 +1,7 @@
 /* Prefill tiles of the paged rows kernel on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3,
  * Intel Haswell to Comet Lake). Included by paged_attention_cpu.c after its shared helpers
- * (Problem, load_context, transpose_keys, tile_queries, MMKIT_TILE_QB, softmax_numerators,
- * store_head); nothing here is compiled on its own.
+ * (Problem, load_context, transpose_keys, tile_queries, MMKIT_TILE_QB, store_head) and
+ * paged_item_avx2.h (softmax_row256); nothing here is compiled on its own.
  *
  * Without it such a CPU ran a prefill chunk's rows one by one through the decode kernel: every
  * row gathered and widened its whole context again, and each score was an 8-lane dot product

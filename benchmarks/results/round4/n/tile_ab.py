@@ -8,9 +8,7 @@ and new are compared (bit for bit, and the largest difference).
         [--lengths 256 512 768 1024 2048 4096] [--repeats 7] [--dim 64]
 """
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -63,16 +61,9 @@ def main():
                     "sdpa": lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)}
             with torch.inference_mode():
                 a, b = paged(old), paged(new)
-                same = torch.equal(a, b)
-                diff = (a.float() - b.float()).abs().max().item()
-                ways["sdpa"]()
-                times = {w: [] for w in ways}
-                for _ in range(args.repeats):
-                    for w, fn in ways.items():
-                        t = time.perf_counter()
-                        fn()
-                        times[w].append(1e3 * (time.perf_counter() - t))
-            m = {w: statistics.median(ts) for w, ts in times.items()}
+            same = torch.equal(a, b)
+            diff = (a.float() - b.float()).abs().max().item()
+            m = prefill_attention.median_ms(ways, args.repeats)
             print(f"{name:9s} L={length:5d}  old {m['old']:8.2f}  new {m['new']:8.2f}  sdpa {m['sdpa']:8.2f}"
                   f"  new/old {m['new'] / m['old']:.2f}  new/sdpa {m['new'] / m['sdpa']:.2f}"
                   f"  old/sdpa {m['old'] / m['sdpa']:.2f}  bit-identical {same} max|diff| {diff:.2g}", flush=True)
