@@ -28,6 +28,11 @@ Environment switches (each part of the cache key):
 - `MMKIT_KERNEL_CHECKS=1`: a bounds-checking build; the paged-attention and KV-write kernels
   validate block ids, context lengths and slots and raise `IndexError` (the tests use it).
 A cache folder that cannot be written falls back to a per-user folder under the temp dir.
+
+In the sources, `#pragma omp simd` on a loop says it must compile to vector code: gcc decides
+per inlined copy and can leave one copy scalar with the results still right, so
+tests/layers/test_kernel_vectorization.py cross-compiles for AVX2 and AVX-512 targets and fails
+on any such loop gcc reports it could not vectorize.
 """
 
 from __future__ import annotations
