@@ -7,6 +7,10 @@ of it here), and at 128 rows it keeps up with oneDNN / MKL. Layouts (zero past N
 
     bf16:    panels[p, kp, c, e] = w[32 p + c, 2 kp + e]   ([P, K / 2, 32, 2]: VDPBF16PS pairs)
     float32: panels[p, k, c]     = w[32 p + c, k]           ([P, K, 32])
+             panels[p, h, k, j]  = w[32 p + 16 h + j, k]    ([P, 2, K, 16]: AVX2 builds, `f32_halves()`)
+
+The AVX2 kernel reads a float32 panel in two passes of 16 columns; stored by halves, each pass
+is one sequential stream (csrc/linear_panels_cpu.c says why).
 
 On CPUs with AVX512-BF16 (VDPBF16PS) or with AVX2 and FMA (the pairs widened to float32 by a
 shift and a mask, exact); elsewhere `available()` is False and `models/llama.py::Linear` keeps
@@ -65,6 +69,11 @@ def can_pack(weight: torch.Tensor) -> bool:
             and available())
 
 
+def f32_halves() -> bool:
+    """This build's float32 panels are stored by halves ([P, 2, K, 16]; the AVX2 kernel)."""
+    return bool(cpu_kernels.library().mmkit_panel_f32_halves())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels (module docstring), zero rows past N."""
     n, k = weight.shape
@@ -73,17 +82,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded[:n] = weight
     if weight.dtype == torch.bfloat16:
         return padded.view(rows // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if f32_halves():
+        return padded.view(rows // PANEL, 2, PANEL // 2, k).permute(0, 1, 3, 2).contiguous()
     return padded.view(rows // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 def in_features(panels: torch.Tensor) -> int:
-    return panels.shape[1] * 2 if panels.dim() == 4 else panels.shape[1]
+    if panels.dtype == torch.bfloat16:
+        return panels.shape[1] * 2
+    return panels.shape[2] if panels.dim() == 4 else panels.shape[1]
 
 
 def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The row-major [N, K] weight back from its panels (tests, dequantization)."""
     p, k = panels.shape[0], in_features(panels)
-    order = (0, 2, 1, 3) if panels.dim() == 4 else (0, 2, 1)
+    if panels.dtype == torch.bfloat16:
+        order = (0, 2, 1, 3)
+    else:
+        order = (0, 1, 3, 2) if panels.dim() == 4 else (0, 2, 1)
     return panels.permute(*order).reshape(p * PANEL, k)[:out_features].contiguous()
 
 

@@ -55,7 +55,11 @@ def test_panels_round_trip_and_zero_padding():
 def test_float32_panels_round_trip():
     w = torch.randn(45, 11, generator=_gen(12))
     panels = linear_panels.pack(w)
-    assert panels.shape == (2, 11, 32)
+    if linear_panels.f32_halves():  # AVX2 builds: [P, 2, K, 16]
+        assert panels.shape == (2, 2, 11, 16)
+        assert torch.equal(panels[0, 1, 4], w[16:32, 4]) and torch.equal(panels[1, 0, :, 13:], torch.zeros(11, 3))
+    else:
+        assert panels.shape == (2, 11, 32)
     assert torch.equal(linear_panels.unpack(panels, 45), w)
 
 

@@ -14,7 +14,8 @@
  * pair broadcast from L1 (16 accumulators: MMKIT_MR rows x 2 halves of the panel).
  * Products are summed in float32 (VDPBF16PS), the bias added in float32, one rounding to bf16,
  * as oneDNN's bf16 matmul does; only the order of the float32 sums differs from it.
- * float32 uses the same panels without the pairing (panels[p][k][c]) and FMA.
+ * float32 uses the same panels without the pairing (panels[p][k][c]) and FMA; AVX2 builds store
+ * each float32 panel by halves instead (panels[p][h][k][j] = w[32 p + 16 h + j][k]), see below.
  * CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake) run the
  * same panels with 8-float FMAs: a 32-bit pair of bf16 weights becomes its two float32s by one
  * shift (even column) and one mask (odd column), exact, and each column's sum runs over k in
@@ -139,10 +140,14 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
 #endif
 
 #ifdef MMKIT_P_AVX2
-/* AVX2 + FMA. 16 ymm registers hold at most 8 accumulators of 8 floats beside the weights and
- * a broadcast, so a block is 1 row x the whole panel (batch 1: one sequential stream of the
- * panel, prefetched) or up to MMKIT_A2_MR rows x half the panel (16 columns; the panel is read
- * twice from L2 per block). bf16 rows of x are first widened to float32 (MMKIT_A2_XBUF bytes
+/* AVX2 + FMA. 16 ymm registers hold at most 12 accumulators of 8 floats beside the weights and
+ * a broadcast, so a block is 1 row x the whole panel (batch 1: the panel streamed, prefetched)
+ * or up to MMKIT_A2_MR rows x half the panel (16 columns; the panel is read twice from L2 per
+ * block). float32 panels are stored by halves, [P][2][K][16], so that a half-pass is one
+ * sequential stream of K x 64 bytes: stored by rows of 32 ([P][K][32]), a half-pass read every
+ * other line, the hardware prefetcher lagged and the L2 held lines half used (round 4o:
+ * 0.80-0.96x the time, benchmarks/results/round4/o/subpanel_ab.c). bf16 keeps its pairs layout:
+ * a half of a row of pairs is a whole 64-byte line. bf16 rows of x are first widened to float32 (MMKIT_A2_XBUF bytes
  * at a time, shared by every panel): widening each pair inside the loop cost more than the
  * FMAs it fed. Sums and the one rounding to bf16 are as in the AVX512-BF16 path. */
 #define MMKIT_A2_MR 6 /* float32 rows per block (6 x 2 accumulators); bf16 takes 4 */
@@ -210,13 +215,13 @@ MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, cons
 #undef MMKIT_A2_COLS
         }
         MMKIT_A2_OUT(0, 0, a0) MMKIT_A2_OUT(0, 1, a1) MMKIT_A2_OUT(0, 2, a2) MMKIT_A2_OUT(0, 3, a3)
-    } else if (NC == 2) {
-        const float *pw = (const float *)panel + 8 * c0;
+    } else if (NC == 2) { /* float32 halves: c0 / 2 is the half, one sequential stream of K x 64 bytes */
+        const float *pw = (const float *)panel + (c0 / 2) * K * 16;
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
         for (int64_t k = 0; k < K; ++k) {
-            MMKIT_A2_PF((const float *)panel + k * 32)
-            const __m256 w0 = _mm256_loadu_ps(pw + k * 32), w1 = _mm256_loadu_ps(pw + k * 32 + 8);
+            if (PF) _mm_prefetch((const char *)(pw + k * 16) + MMKIT_PF_BYTES, _MM_HINT_T0);
+            const __m256 w0 = _mm256_loadu_ps(pw + k * 16), w1 = _mm256_loadu_ps(pw + k * 16 + 8);
 #define MMKIT_A2_ROW(r, A0, A1)                                         \
             if (R > r) {                                                \
                 const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);  \
@@ -230,18 +235,17 @@ MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, cons
         MMKIT_A2_OUT(0, 0, a00) MMKIT_A2_OUT(0, 1, a01) MMKIT_A2_OUT(1, 0, a10) MMKIT_A2_OUT(1, 1, a11)
         MMKIT_A2_OUT(2, 0, a20) MMKIT_A2_OUT(2, 1, a21) MMKIT_A2_OUT(3, 0, a30) MMKIT_A2_OUT(3, 1, a31)
         MMKIT_A2_OUT(4, 0, a40) MMKIT_A2_OUT(4, 1, a41) MMKIT_A2_OUT(5, 0, a50) MMKIT_A2_OUT(5, 1, a51)
-    } else {
-        const float *pw = (const float *)panel;
+    } else { /* one row, float32: both halves' streams at once */
+        const float *h0 = (const float *)panel, *h1 = h0 + K * 16;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t k = 0; k < K; ++k) {
-            const float *w = pw + k * 32;
-            _mm_prefetch((const char *)w + MMKIT_PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(h0 + k * 16) + MMKIT_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(h1 + k * 16) + MMKIT_PF_BYTES, _MM_HINT_T0);
             const __m256 xb = _mm256_broadcast_ss(x + k);
-            a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), a0);
-            a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), a1);
-            a2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 16), a2);
-            a3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 24), a3);
+            a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(h0 + k * 16), a0);
+            a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(h0 + k * 16 + 8), a1);
+            a2 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(h1 + k * 16), a2);
+            a3 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(h1 + k * 16 + 8), a3);
         }
         MMKIT_A2_OUT(0, 0, a0) MMKIT_A2_OUT(0, 1, a1) MMKIT_A2_OUT(0, 2, a2) MMKIT_A2_OUT(0, 3, a3)
     }
@@ -250,14 +254,15 @@ MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, cons
 #undef MMKIT_A2_PF
 
 /* R (<= MMKIT_A2_MR) rows against one panel: 1 row in one pass (prefetching all the way),
- * more by halves (the first half prefetches both when PF). */
+ * more by halves. When PF, bf16's first half prefetches both halves (they share each line of
+ * the pairs' rows); float32's halves are separate streams, each prefetched in its own pass. */
 MMKIT_INLINE void a2_panel(float *v, int64_t vs, const float *x, int64_t xs, const int R, const void *panel,
                            int64_t K, const int BF16, const int PF) {
     if (R == 1) {
         a2_rows(v, vs, x, xs, 1, 4, 0, panel, K, BF16, 0);
     } else {
         a2_rows(v, vs, x, xs, R, 2, 0, panel, K, BF16, PF);
-        a2_rows(v, vs, x, xs, R, 2, 2, panel, K, BF16, 0);
+        a2_rows(v, vs, x, xs, R, 2, 2, panel, K, BF16, BF16 ? 0 : PF);
     }
 }
 
@@ -375,6 +380,16 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)dtype;
     (void)nthreads;
     return 1;
+#endif
+}
+
+/* 1 when this build's float32 panels are stored by halves ([P][2][K][16], the AVX2 kernel), 0
+ * when by rows of 32 ([P][K][32]); linear_panels.pack asks. */
+int mmkit_panel_f32_halves(void) {
+#if defined(MMKIT_P_AVX2)
+    return 1;
+#else
+    return 0;
 #endif
 }
 
