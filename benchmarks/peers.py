@@ -91,25 +91,38 @@ def vllm_env(vllm_python: str, threads: int) -> dict:
     return env
 
 
-def run_child(system: str, spec: dict, args) -> dict:
+def run_worker(python: str, env: dict, checkout: Path, spec: dict) -> dict:
+    """`checkout`'s benchmarks/peer_worker.py on `spec` (its "system" named), run in `checkout`
+    by `python` with `env`; its result."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_path.write_text(json.dumps({**spec, "system": system}))
-        python = args.vllm_python if system == "vllm" else sys.executable
-        env = vllm_env(python, args.threads) if system == "vllm" else dict(os.environ)
-        cmd = [python, str(ROOT / "peer_worker.py"), str(spec_path), str(out_path)]
-        proc = subprocess.run(cmd, env=env, cwd=str(ROOT.parent), capture_output=True, text=True)
+        spec_path.write_text(json.dumps(spec))
+        cmd = [python, str(checkout / "benchmarks" / "peer_worker.py"), str(spec_path), str(out_path)]
+        proc = subprocess.run(cmd, env=env, cwd=str(checkout), capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.exists():
-            raise SystemExit(f"{system} child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise SystemExit(f"{spec['system']} child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(out_path.read_text())
 
 
-def compare(workload: str, dtype: str, args) -> dict:
+def run_child(system: str, spec: dict, args) -> dict:
+    python = args.vllm_python if system == "vllm" else sys.executable
+    env = vllm_env(python, args.threads) if system == "vllm" else dict(os.environ)
+    return run_worker(python, env, ROOT.parent, {**spec, "system": system})
+
+
+def workload_spec(workload: str, dtype: str, *, threads: int = 2, num_layers: int = 30, repeats: int = 1,
+                  kv_cache_preallocate: bool = True) -> dict:
+    """What a child runs: the checkpoint, the workload's requests and both systems' settings."""
     w = WORKLOADS[workload]
-    spec = dict(model=hub_checkpoint(args.num_layers, w["image_size"]), dtype=dtype, threads=args.threads,
-                workload=workload, repeats=args.repeats, max_num_seqs=128, max_model_len=2048,
+    return dict(model=hub_checkpoint(num_layers, w["image_size"]), dtype=dtype, threads=threads,
+                workload=workload, repeats=repeats, max_num_seqs=128, max_model_len=2048,
                 parity_requests=4, parity_tokens=16, batch1_tokens=64, kv_cache_gib=kv_cache_gib(),
-                kv_cache_preallocate=not args.mmkit_lazy_kv, **w)
+                kv_cache_preallocate=kv_cache_preallocate, **w)
+
+
+def compare(workload: str, dtype: str, args) -> dict:
+    spec = workload_spec(workload, dtype, threads=args.threads, num_layers=args.num_layers, repeats=args.repeats,
+                         kv_cache_preallocate=not args.mmkit_lazy_kv)
     runs: dict[str, list[dict]] = {"mmkit": [], "vllm": []}
     for pair in range(args.pairs):
         order = ["mmkit", "vllm"] if pair % 2 == 0 else ["vllm", "mmkit"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import platform
 import re
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -122,7 +122,7 @@ def test_every_omp_simd_loop_vectorizes(march, scalar_by_target):
     if scalar is None:
         pytest.skip(f"this gcc does not know -march={march}")
     assert not scalar, (f"-march={march}: these `#pragma omp simd` loops stay scalar in at least one inlined "
-                        f"copy (gcc's -fopt-info-vec-missed):\n" + "\n".join(scalar))
+                        f"copy (gcc's -fopt-info-vec-all remarks):\n" + "\n".join(scalar))
 
 
 def test_the_check_finds_a_loop_left_scalar(tmp_path):

@@ -146,10 +146,11 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
  * block). float32 panels are stored by halves, [P][2][K][16], so that a half-pass is one
  * sequential stream of K x 64 bytes: stored by rows of 32 ([P][K][32]), a half-pass read every
  * other line, the hardware prefetcher lagged and the L2 held lines half used (round 4o:
- * 0.80-0.96x the time, benchmarks/results/round4/o/subpanel_ab.c). bf16 keeps its pairs layout:
- * a half of a row of pairs is a whole 64-byte line. bf16 rows of x are first widened to float32 (MMKIT_A2_XBUF bytes
- * at a time, shared by every panel): widening each pair inside the loop cost more than the
- * FMAs it fed. Sums and the one rounding to bf16 are as in the AVX512-BF16 path. */
+ * 0.76-0.98x the time, benchmarks/results/round4/o/subpanel_ab.c). bf16 keeps its pairs
+ * layout: half a row of pairs is a whole 64-byte line. bf16 rows of x are first widened to
+ * float32 (MMKIT_A2_XBUF bytes at a time, shared by every panel): widening each pair inside the
+ * loop cost more than the FMAs it fed. Sums and the one rounding to bf16 are as in the
+ * AVX512-BF16 path. */
 #define MMKIT_A2_MR 6 /* float32 rows per block (6 x 2 accumulators); bf16 takes 4 */
 #define MMKIT_A2_MR_BF16 4
 #define MMKIT_A2_XBUF (192 * 1024)
@@ -158,16 +159,12 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
  * (bf16 pairs when BF16, else float32); the R x 8 NC sums go to v (rows vs apart). NC is 4
  * only with R = 1; bf16 takes R <= MMKIT_A2_MR_BF16. The accumulators are named variables:
  * held in an array, gcc 12 stored every one of them to the stack after each FMA (half the
- * speed). PF (the first block of rows of a panel only): prefetch both lines of each column of
- * k ahead. The first block is the one that brings the panel from memory (later blocks find it
- * in L2), and the hardware prefetcher, seeing every other line, lagged: at 16 rows the GEMM
- * ran at 54-57 GFLOPS without it, 71-72 with it (2 threads, Zen 3). */
+ * speed). PF (the first block of rows of a panel only): prefetch the weights ahead, both lines
+ * of each row of bf16 pairs (a half-pass reads one of them), or the float32 half's own stream.
+ * The first block is the one that brings the panel from memory (later blocks find it in L2),
+ * and the hardware prefetcher lagged on it: at 16 rows the GEMM ran at 54-57 GFLOPS without
+ * it, 71-72 with it (2 threads, Zen 3, round 4m). */
 #define MMKIT_A2_OUT(r, j, A) if (R > r) _mm256_storeu_ps(v + r * vs + 8 * (c0 + j), A);
-#define MMKIT_A2_PF(w)                                                  \
-    if (PF) {                                                           \
-        _mm_prefetch((const char *)(w) + MMKIT_PF_BYTES, _MM_HINT_T0);      \
-        _mm_prefetch((const char *)(w) + MMKIT_PF_BYTES + 64, _MM_HINT_T0); \
-    }
 MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, const int R, const int NC,
                           const int c0, const void *panel, int64_t K, const int BF16, const int PF) {
     if (BF16 && NC == 2) {
@@ -176,7 +173,10 @@ MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, cons
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                a31 = a00;
         for (int64_t kp = 0; kp < K / 2; ++kp) {
-            MMKIT_A2_PF((const uint16_t *)panel + kp * 64)
+            if (PF) {
+                _mm_prefetch((const char *)((const uint16_t *)panel + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)((const uint16_t *)panel + kp * 64) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+            }
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pw + kp * 64));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pw + kp * 64 + 16));
             /* a pair holds column k (low half) and k + 1 (high half): widening is exact */
@@ -251,7 +251,6 @@ MMKIT_INLINE void a2_rows(float *v, int64_t vs, const float *x, int64_t xs, cons
     }
 }
 #undef MMKIT_A2_OUT
-#undef MMKIT_A2_PF
 
 /* R (<= MMKIT_A2_MR) rows against one panel: 1 row in one pass (prefetching all the way),
  * more by halves. When PF, bf16's first half prefetches both halves (they share each line of

@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -26,15 +24,8 @@ import peers  # noqa: E402  (the workloads, the checkpoint, the spec)
 
 
 def run(tree: Path, spec: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_path.write_text(json.dumps({**spec, "system": "mmkit"}))
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        proc = subprocess.run([sys.executable, str(tree / "benchmarks" / "peer_worker.py"), str(spec_path),
-                               str(out_path)], env=env, cwd=str(tree), capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(proc.stderr[-3000:])
-        return json.loads(out_path.read_text())
+    """The mmkit child from `tree` (its own mmkit first on the path)."""
+    return peers.run_worker(sys.executable, dict(os.environ, PYTHONPATH=str(tree)), tree, {**spec, "system": "mmkit"})
 
 
 def main() -> None:
@@ -43,10 +34,7 @@ def main() -> None:
     workloads = sys.argv[4:] or ["decode-heavy", "prefill-heavy"]
     results = {}
     for workload in workloads:
-        w = peers.WORKLOADS[workload]
-        spec = dict(model=peers.hub_checkpoint(30, w["image_size"]), dtype="float32", threads=2, workload=workload,
-                    repeats=1, max_num_seqs=128, max_model_len=2048, parity_requests=4, parity_tokens=16,
-                    batch1_tokens=64, kv_cache_gib=peers.kv_cache_gib(), kv_cache_preallocate=True, **w)
+        spec = peers.workload_spec(workload, "float32")
         runs = {"old": [], "new": []}
         for pair in range(pairs):
             for name in (["old", "new"] if pair % 2 == 0 else ["new", "old"]):
