@@ -127,7 +127,9 @@ class Kernel:
             def bound(w):
                 self._keep.append(linear_panels.pack(w))
                 return linear_panels.bind(self._keep[-1], w.shape[0], None)
-        elif name == "vllm-onednn":  # what vLLM-CPU 0.32 runs for unquantized float32 linears (x86)
+        elif name == "vllm-onednn":
+            # vLLM-CPU 0.32's `dispatch_cpu_unquantized_gemm` on x86 without AMX or zentorch: its
+            # prepacked oneDNN matmul, for float32 and bf16 alike (AMX hosts take SGL kernels for bf16)
             from vllm import _custom_ops as ops
 
             def bound(w):
