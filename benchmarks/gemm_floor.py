@@ -46,10 +46,12 @@ KERNELS = ("panels", "F.linear", "vllm-onednn")
 
 @dataclass(frozen=True)
 class Shapes:
-    """The GEMMs of one decoder layer as (out, in) pairs, the layer count and the LM head."""
+    """The GEMMs of one decoder layer as (out, in) pairs, the layer count and the LM head; and
+    `kv_width`, the K and V elements one token leaves in one layer's cache."""
     layer: tuple[tuple[int, int], ...]
     num_layers: int
     lm_head: tuple[int, int]
+    kv_width: int
 
     @classmethod
     def of_text_config(cls, text) -> Shapes:
@@ -59,13 +61,30 @@ class Shapes:
         inter = text.intermediate_size
         # fused qkv, o, fused gate/up, down: the fused forms both engines run
         layer = (((heads + 2 * kv) * head_dim, h), (h, heads * head_dim), (2 * inter, h), (h, inter))
-        return cls(layer, text.num_hidden_layers, (text.vocab_size, h))
+        return cls(layer, text.num_hidden_layers, (text.vocab_size, h), 2 * kv * head_dim)
 
     def token_flops(self) -> int:
         return 2 * self.num_layers * sum(n * k for n, k in self.layer)
 
     def logit_flops(self) -> int:
         return 2 * self.lm_head[0] * self.lm_head[1]
+
+
+def checkpoint_shapes(model: str) -> tuple[Shapes, int]:
+    """(the decoder's Shapes, image tokens per image) of a LLaVA checkpoint directory."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    vision = cfg.vision_config
+    return Shapes.of_text_config(cfg.text_config), (vision.image_size // vision.patch_size) ** 2
+
+
+def kv_read_bytes(prompt_lens: list[int], out_lens: list[int], shapes: Shapes, elem_bytes: int) -> int:
+    """Cache bytes any engine reads for these requests: each decode step j (1 .. n-1: the first
+    output token comes from the prefill) attends its prompt plus j rows of K and V in every
+    layer, and each prompt's own rows are read once while it is prefilled."""
+    rows = sum((n - 1) * p + n * (n - 1) // 2 + p for p, n in zip(prompt_lens, out_lens))
+    return rows * shapes.num_layers * shapes.kv_width * elem_bytes
 
 
 class Step(NamedTuple):
@@ -165,14 +184,10 @@ class Kernel:
 def measure(spec: dict, kernels: list[str], chunk: int = 2048) -> dict:
     """The floor of `spec`'s workload (peers.workload_spec) for each kernel in `kernels`."""
     import torch
-    from transformers import AutoConfig
 
     common.set_threads(spec["threads"])
     dtype = getattr(torch, spec["dtype"])
-    cfg = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
-    shapes = Shapes.of_text_config(cfg.text_config)
-    vision = cfg.vision_config
-    image_tokens = (vision.image_size // vision.patch_size) ** 2
+    shapes, image_tokens = checkpoint_shapes(spec["model"])
     prompt_lens, out_lens = workload_lengths(spec, image_tokens)
     steps = schedule(prompt_lens, out_lens, chunk)
     flops = [s.rows * shapes.token_flops() + s.logit_rows * shapes.logit_flops() for s in steps]

