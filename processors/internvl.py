@@ -1,14 +1,13 @@
 """InternVL `-HF` input processing with the checkpoint's own `InternVLProcessor`.
 
-Up front (cheap, every prompt of a call before any is added): the tile count of each image for
-its size and tiling options (`min_patches`, `max_patches`, `crop_to_patches`; engine-wide and per
-request through `mm_processor_kwargs`) from the processor's own `_get_num_multimodal_tokens`,
-and each `<IMG_CONTEXT>` placeholder expanded as the processor expands it:
-`<img>` + tiles * image_seq_length `<IMG_CONTEXT>` + `</img>` (only the context tokens are the
-item's placeholder range). The options are written into the item's `layout`, so they are part
-of its content hash (encoder cache and prefix-cache keys). At scheduling time the image
-processor cuts the image into tiles, `pixel_values [tiles, 3, S, S]`, and the tile count is
-checked against the prediction.
+Up front (cheap, every prompt of a call before any is added): what the processor writes for
+each image at its size and tiling options (`min_patches`, `max_patches`, `crop_to_patches`;
+engine-wide and per request through `mm_processor_kwargs`), read from its own output
+(`processors/replacements.py`): `<img>` + tiles * image_seq_length `<IMG_CONTEXT>` + `</img>`
+(only the context tokens are the item's placeholder range), checked against the model's rows for
+the tile count the processor reports. The options are written into the item's `layout`, so they
+are part of its content hash (encoder cache and prefix-cache keys). At scheduling time the same
+processor call on the pixels gives `pixel_values [tiles, 3, S, S]` and must write the same text.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.llava import LlavaInputProcessor
+from mmkit.processors.replacements import Replacement, call_processor
 
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": POSITIVE_INT, "max_patches": POSITIVE_INT, "crop_to_patches": BOOL}
 _LAYOUT_PREFIX = "internvl_tiling="
@@ -44,7 +44,7 @@ class InternVLInputProcessor(LlavaInputProcessor):
         default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, None)
         hf = self.hf_processor
-        if hf is None or not hasattr(hf, "_get_num_multimodal_tokens"):
+        if self.probe is None:
             raise ValueError(f"model: {model_config.architecture} needs the checkpoint's processor "
                              f"(processor_config.json and the tokenizer files) in {model_config.path!r}")
         self.default_kwargs = default_kwargs
@@ -65,15 +65,12 @@ class InternVLInputProcessor(LlavaInputProcessor):
         processed.mm_processor_kwargs = kwargs
         return processed
 
-    def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
-        if parsed.image_embeds is not None:  # given embeddings fix their own token count
-            return [int(parsed.image_embeds.shape[1])] * parsed.num_images
-        return [self.num_tiles(item) * self.tokens_per_tile for item in parsed.images]
+    def processor_kwargs(self, item: ImageItem) -> dict[str, Any]:
+        return _tiling(item)
 
-    def num_tiles(self, item: ImageItem) -> int:
-        counts = self.hf_processor._get_num_multimodal_tokens(image_sizes=[(item.height, item.width)],
-                                                              **_tiling(item))
-        return int(counts["num_image_patches"][0])
+    def model_rows(self, item: ImageItem, rep: Replacement | None = None) -> int:
+        """image_seq_length rows per tile, for the tiles the processor cut."""
+        return int(rep.outputs["pixel_values_shape"][0]) * self.tokens_per_tile
 
     def _expand(self, where: str, ids: list[int], counts: list[int],
                 allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:
@@ -113,14 +110,13 @@ class InternVLInputProcessor(LlavaInputProcessor):
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: ImageItem) -> MultiModalKwargs:
         """One image -> {"pixel_values": [tiles, 3, S, S]} with the item's tiling options."""
-        options = self.hf_processor._merge_kwargs(self.hf_processor.valid_processor_kwargs,
-                                                  tokenizer_init_kwargs=self.tokenizer.init_kwargs,
-                                                  **_tiling(item))["images_kwargs"]
-        out = self.image_processor(images=[item.to_pil().convert("RGB")], return_tensors="pt", **options)
-        tiles = int(out["num_patches"][0])
-        if tiles != self.num_tiles(item):
-            raise ValueError(f"{item.where}: the image processor cut {tiles} tiles where {self.num_tiles(item)} "
-                             f"were predicted; refusing to misalign the placeholders")
+        rep, out = call_processor(self.hf_processor, "image", [item.to_pil().convert("RGB")], _tiling(item),
+                                  item.where)
+        predicted = self.probe.replacement("image", item.width, item.height, 1, _tiling(item), item.where)
+        if rep.text != predicted.text:
+            raise ValueError(f"{item.where}: the processor cut {rep.outputs['pixel_values_shape'][0]} tiles where "
+                             f"{predicted.outputs['pixel_values_shape'][0]} were predicted; refusing to misalign the "
+                             "placeholders")
         return {"pixel_values": out["pixel_values"]}
 
 

@@ -2,6 +2,8 @@
 
 Tokenization and placeholder expansion happen when a request is added (cheap, so the whole
 call is validated up front); pixel values are computed only when the request is scheduled.
+What an image's placeholder becomes is what the checkpoint's processor writes for it
+(`processors/replacements.py`); the model's own count of embedding rows is checked against it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.registry import get_model_class
 from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.replacements import (Replacement, ReplacementProbe, check_feature_rows, count_tokens,
+                                           expand_text, feature_run)
+
+# ImageItem.layout of an image that is encoded as its base view alone (OneVision, multi-image).
+BASE_VIEW = "base_view"
 
 
 class LlavaInputProcessor:
@@ -52,6 +59,8 @@ class LlavaInputProcessor:
         # size-dependent for anyres families, whose processors override `image_token_counts`).
         self.model_cls = get_model_class(model_config.architecture)
         self.image_seq_length = model_config.image_seq_length
+        # Checkpoints saved without a processor config fall back to the model's own count.
+        self.probe = ReplacementProbe(processor) if getattr(processor, "image_token", None) else None
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
@@ -62,7 +71,13 @@ class LlavaInputProcessor:
         if parsed.mm_processor_kwargs:
             raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
                              f"{self.model_config.architecture} takes no processor options")
-        if parsed.prompt is not None:
+        if parsed.prompt is not None and parsed.image_embeds is None and parsed.num_images and self.probe:
+            # The processor's own expansion of the text; each image's range is its feature run.
+            reps = self.image_replacements(where, parsed)
+            exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
+            ids = exp.token_ids
+            ranges = [feature_run(where, ids, rng, self.image_token_id, "an image") for rng in exp.ranges]
+        elif parsed.prompt is not None:
             ids = list(self.tokenizer(parsed.prompt).input_ids)
             ids, ranges = self._expand(where, ids, self.image_token_counts(where, parsed), allow_expanded=False)
         else:
@@ -99,9 +114,36 @@ class LlavaInputProcessor:
         return getattr(self.hf_processor, "image_token", None) or "<image>"
 
     def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
-        """Placeholder tokens of each given image, in order (LLaVA-1.5: the same for all)."""
-        n = self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (0, 0), self.image_processor)
-        return [n] * parsed.num_images
+        """Feature tokens of each given image, in order: given embeddings fix their own count;
+        otherwise what the processor writes (checked against the model's rows)."""
+        if parsed.image_embeds is not None:
+            return [int(parsed.image_embeds.shape[1])] * parsed.num_images
+        if self.probe is None:
+            return [self.model_rows(item) for item in parsed.images]
+        return [count_tokens(self.tokenizer, rep.text, self.image_token_id)
+                for rep in self.image_replacements(where, parsed)]
+
+    def image_replacements(self, where: str, parsed: ParsedPrompt) -> list[Replacement]:
+        """What the processor writes for each image, each checked against the model's rows."""
+        reps = []
+        for i, item in enumerate(parsed.images):
+            at = f"{where}.multi_modal_data[{i}]"
+            rep = self.probe.replacement("image", item.width, item.height, 1, self.processor_kwargs(item), at,
+                                         in_multi_image_prompt=item.layout == BASE_VIEW)
+            check_feature_rows(at, f"an image of {item.width}x{item.height}",
+                               count_tokens(self.tokenizer, rep.text, self.image_token_id),
+                               self.model_rows(item, rep))
+            reps.append(rep)
+        return reps
+
+    def processor_kwargs(self, item: ImageItem) -> dict[str, Any]:
+        """The processor options an image is processed with (InternVL: its tiling)."""
+        return {}
+
+    def model_rows(self, item: ImageItem, rep: Replacement | None = None) -> int:
+        """The embedding rows the model produces for the image (LLaVA-1.5: the same for all)."""
+        return self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (item.width, item.height),
+                                                         self.image_processor)
 
     def _expand(self, where: str, ids: list[int], counts: list[int],
                 allow_expanded: bool) -> tuple[list[int], list[PlaceholderRange]]:

@@ -1,11 +1,11 @@
 """LLaVA-NeXT and LLaVA-OneVision input processing: the number of placeholder tokens of an
 image depends on its size (anyres), so it is decided per image when the request is added.
 
-The count comes from the checkpoint's own HF processor (`_get_num_multimodal_tokens`, the
-method transformers and vLLM use for this) and is checked against the model's feature count
-for that size (`get_num_placeholder_tokens`); a disagreement (e.g. a processor config whose
-pinpoints or patch size do not match the model's) is refused loudly, before any request is
-added, instead of misaligning embeddings later.
+The tokens are what the checkpoint's own HF processor writes for an image of that size
+(`processors/replacements.py`), checked against the model's feature count for that size
+(`get_num_placeholder_tokens`); a disagreement (e.g. a processor config whose pinpoints or
+patch size do not match the model's) is refused loudly, before any request is added, instead
+of misaligning embeddings later.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.llava import LlavaInputProcessor
-
-# ImageItem.layout of an image that is encoded as its base view alone (OneVision, multi-image).
-BASE_VIEW = "base_view"
+from mmkit.processors.llava import BASE_VIEW, LlavaInputProcessor
+from mmkit.processors.replacements import Replacement
 
 
 class LlavaNextInputProcessor(LlavaInputProcessor):
@@ -29,7 +27,7 @@ class LlavaNextInputProcessor(LlavaInputProcessor):
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
-        if self.hf_processor is None or not hasattr(self.hf_processor, "_get_num_multimodal_tokens"):
+        if self.probe is None:
             raise ValueError(
                 f"model: {model_config.architecture} needs the checkpoint's processor (processor_config.json "
                 f"or preprocessor_config.json and the tokenizer files) in {model_config.path!r}"
@@ -52,31 +50,10 @@ class LlavaNextInputProcessor(LlavaInputProcessor):
         """Hook: OneVision encodes the images of a multi-image prompt differently."""
         return parsed
 
-    def image_token_counts(self, where: str, parsed: ParsedPrompt) -> list[int]:
-        if parsed.image_embeds is not None:  # given embeddings fix their own token count
-            return [int(parsed.image_embeds.shape[1])] * parsed.num_images
-        return [self._checked_count(f"{where}.multi_modal_data[{i}]", item) for i, item in enumerate(parsed.images)]
-
-    def _checked_count(self, where: str, item: ImageItem) -> int:
+    def model_rows(self, item: ImageItem, rep: Replacement | None = None) -> int:
         base_only = item.layout == BASE_VIEW
-        expected = self._hf_count(item, base_only)
-        got = self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (item.width, item.height),
-                                                        self.image_processor, num_views=1 if base_only else None)
-        if expected != got:
-            raise ValueError(
-                f"{where}: for an image of {item.width}x{item.height} the checkpoint's processor expands "
-                f"{expected} image tokens but the model produces {got} features; the processor config "
-                f"(image_grid_pinpoints, patch_size, vision_feature_select_strategy) does not match the "
-                f"model config"
-            )
-        return expected
-
-    def _hf_count(self, item: ImageItem, base_only: bool) -> int:
-        hf = self.hf_processor
-        if base_only:  # what LlavaOnevisionProcessor expands for an image of a multi-image prompt
-            return hf.num_image_tokens + 1 - int(hf.vision_feature_select_strategy == "default")
-        counts = hf._get_num_multimodal_tokens(image_sizes=[(item.height, item.width)])
-        return int(counts["num_image_tokens"][0])
+        return self.model_cls.get_num_placeholder_tokens(self.model_config.hf_config, (item.width, item.height),
+                                                         self.image_processor, num_views=1 if base_only else None)
 
     def _check_embeds(self, where: str, embeds) -> None:
         # Any tokens-per-image count is accepted (given embeddings fix their own layout).

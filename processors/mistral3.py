@@ -1,10 +1,10 @@
 """Mistral 3 input processing with the checkpoint's PixtralProcessor.
 
-Up front: each image's merged patch grid from its size (the image processor's own resize
-rule), checked against the HF processor's token count; `[IMG]` becomes the image's span
-(`processors/spans.py`). When the image is scheduled: the Pixtral image processor gives its
-pixels (`[1, 3, H, W]`, H and W multiples of patch x merge) and size, which must give the
-predicted span (never a silent misalignment).
+Up front: each image's span is what the processor writes for it (`processors/replacements.py`:
+rows of `[IMG]`, each ending in `[IMG_BREAK]`, the last in `[IMG_END]`), probed at the image's
+size; the `[IMG]` count is checked against the model's feature rows for the size the processor
+resizes to. When the image is scheduled, the same processor call on its pixels gives
+`pixel_values [1, 3, H, W]` and `image_sizes`, and must write the same span.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 
 from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs
-from mmkit.models.mistral3 import Mistral3ForConditionalGeneration, merged_grid
 from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.spans import SpanItem, checked_token_ids, expand_spans
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.spans import SpanItem, checked_token_ids
 
 
 class Mistral3InputProcessor:
@@ -44,13 +45,10 @@ class Mistral3InputProcessor:
         if self.image_token_id != model_config.hf_config.image_token_id:
             raise ValueError(f"model: the processor's image token {hf.image_token!r} has id {self.image_token_id}; "
                              f"the model config's image_token_index is {model_config.hf_config.image_token_id}")
-        self.break_id, self.end_id = hf.image_break_token_id, hf.image_end_token_id
-        self.step = hf.patch_size * hf.spatial_merge_size  # pixels per merged patch
         vision = model_config.hf_config.vision_config
-        if self.step != vision.patch_size * model_config.hf_config.spatial_merge_size:
-            raise ValueError(f"model: the processor's patch_size x spatial_merge_size is {self.step}; the model "
-                             f"merges {vision.patch_size} x {model_config.hf_config.spatial_merge_size} pixels")
+        self.step = vision.patch_size * model_config.hf_config.spatial_merge_size  # pixels per feature row
         self.max_images = int(limit_mm_per_prompt.get("image", 8))
+        self.probe = ReplacementProbe(hf)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
@@ -64,44 +62,35 @@ class Mistral3InputProcessor:
         if parsed.num_images > self.max_images:
             raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
                              f"limit_mm_per_prompt['image'] = {self.max_images}")
-        items = [self._item(f"{where}.multi_modal_data.image[{i}]", image) for i, image in enumerate(parsed.images)]
+        images = list(parsed.images)
+        wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(images))]
+        reps = [self.probe.replacement("image", im.width, im.height, 1, {}, w) for im, w in zip(images, wheres)]
         if parsed.prompt is not None:
-            ids = list(self.tokenizer(parsed.prompt).input_ids)
+            exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
         else:
             ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
-        ids, ranges = expand_spans(where, ids, {"image": self.image_token_id}, items,
-                                   allow_expanded=parsed.prompt is None)
-        return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
-                               placeholder_ranges=ranges, images=items)
+            exp = expand_token_ids(self.hf_processor, self.tokenizer, where, ids, {"image": reps})
+        items = []
+        for (_, k), rng in zip(exp.order, exp.ranges):
+            span = exp.token_ids[rng.offset:rng.offset + rng.length]
+            self._check_span(wheres[k], images[k], reps[k].outputs, span)
+            items.append(SpanItem("image", [images[k]], span, where=wheres[k]))
+        return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=exp.token_ids,
+                               placeholder_ranges=exp.ranges, images=items)
 
-    def span_ids(self, rows: int, cols: int) -> list[int]:
-        """PixtralProcessor's layout: each row `cols` [IMG] and a [IMG_BREAK]; the last one [IMG_END]."""
-        span = ([self.image_token_id] * cols + [self.break_id]) * rows
-        span[-1] = self.end_id
-        return span
-
-    def _item(self, where: str, image) -> SpanItem:
-        hf_config = self.model_config.hf_config
-        rows, cols = merged_grid(hf_config, (image.width, image.height), self.image_processor)
-        span = self.span_ids(rows, cols)
-        expected = int(self.hf_processor._get_num_multimodal_tokens(
-            image_sizes=[(image.height, image.width)])["num_image_tokens"][0])
-        got = Mistral3ForConditionalGeneration.get_num_placeholder_tokens(
-            hf_config, (image.width, image.height), self.image_processor)
-        if not expected == got == len(span):
-            raise ValueError(f"{where}: for an image of {image.width}x{image.height} the checkpoint's processor "
-                             f"writes {expected} image tokens but the model's layout has {got}; the processor "
-                             "config (size, patch_size, spatial_merge_size) does not match the model config")
-        return SpanItem("image", [image], span, where=where)
+    def _check_span(self, where: str, image, outputs: Mapping[str, Any], span: list[int]) -> None:
+        """The model gives one feature row per merged patch of the size the processor resizes to."""
+        height, width = outputs["image_sizes"]
+        check_feature_rows(where, f"an image of {image.width}x{image.height}",
+                           sum(1 for t in span if t == self.image_token_id),
+                           (height // self.step) * (width // self.step), f" (resized to {width}x{height})")
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: SpanItem) -> MultiModalKwargs:
         """{"pixel_values": [1, 3, H, W], "image_sizes": [1, 2] (H, W), "span_ids": [L]}."""
-        step = {"height": self.step, "width": self.step}
-        out = self.image_processor(images=[item.frames[0].to_pil()], patch_size=step, return_tensors="pt")
-        height, width = (int(v) for v in out["image_sizes"][0])
-        if self.span_ids(height // self.step, width // self.step) != item.span_ids:
-            raise ValueError(f"{item.where}: the image processor resized the image to {width}x{height}, which does "
-                             f"not give the predicted {len(item.span_ids)} span tokens; refusing to misalign them")
+        rep, out = call_processor(self.hf_processor, "image", [item.frames[0].to_pil()], {}, item.where)
+        if self.tokenizer(rep.text, add_special_tokens=False).input_ids != item.span_ids:
+            raise ValueError(f"{item.where}: the processor wrote a different span for the image's pixels than for "
+                             "its size; refusing to misalign the placeholders")
         return {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"],
                 "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}
