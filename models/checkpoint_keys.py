@@ -27,7 +27,7 @@ def transformers_key_mapper(hf_config: Any, architecture: str) -> KeyMapper:
     hf_class = getattr(transformers, architecture)
     # NOTE: a skeleton on the meta device allocates nothing, whatever the model size.
     with torch.device("meta"):
-        skeleton = hf_class._from_config(hf_config)
+        skeleton = hf_class(hf_config)
     transforms = get_model_conversion_mapping(skeleton)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     # Converters (fusing/splitting tensors) never apply to the LLaVA families; their keys are

@@ -20,6 +20,16 @@ ARCHS = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForCondit
 PROMPTS = ["a cat", "a small cat sat on the mat and looked at the dog by the door for a long time", "hi"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def panels_take_every_row():
+    """On AMX hosts a bf16 `Linear` sends calls above 2 rows to oneDNN (linear_panels.BF16_MAX_ROWS),
+    so no step of 3+ rows would reach the stack there; these tests check the stack itself, so the
+    panels take every row (a module-wide patch: the tests' own monkeypatch.undo() keeps it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_panels, "BF16_MAX_ROWS", None)
+        yield
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
