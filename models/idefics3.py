@@ -37,7 +37,7 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.check_config(config)
         vision_cls, connector_cls = self._hf_classes()[1:]
         self.config = config
-        self.vision_model = vision_cls._from_config(config.vision_config)
+        self.vision_model = vision_cls(config.vision_config)  # the public constructor; cast later
         self.connector = connector_cls(config)
         self.text_model = LlamaModel(text, max_positions)
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)

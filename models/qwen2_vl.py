@@ -32,7 +32,7 @@ class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.visual = self._vision_class()._from_config(config.vision_config)
+        self.visual = self._vision_class()(config.vision_config)  # the public constructor; cast later
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         text = config.text_config
         # NOTE: M-RoPE positions never exceed the token index except for Qwen2.5-VL video

@@ -1,18 +1,18 @@
 """Gemma 3 input processing with the checkpoint's Gemma3Processor.
 
-Up front (cheap): each image's pan-and-scan crop count from the image processor's own
-`pan_and_scan_batched` on a shape-only tensor (no pixels), its text from the processor's own
-`replace_image_token`; a text prompt is expanded by the processor's own
-`get_text_with_replacements`, tokenized whole as transformers tokenizes it, and each image's
-span found from its characters. A token-id prompt gets each span's tokens spliced in at its
-`<start_of_image>` (or keeps a span already written out). Every run of image soft tokens is a
-bidirectional range (transformers' `token_type_ids` = 1 there, one block per run). When
-scheduled: the Gemma 3 image processor gives the image and its crops (`[views, 3, S, S]`).
+Up front (cheap): each image's span is what the processor writes for it
+(`processors/replacements.py`), probed on a blank image of its size with the request's
+pan-and-scan options: `\\n\\n<start_of_image>`, image_seq_length soft tokens per view (the image,
+then its crops), `<end_of_image>\\n\\n`. A text prompt is expanded by the processor's own
+`get_text_with_replacements` and tokenized whole (the newlines merge with the text around them
+as in transformers); a token-id prompt gets each `<start_of_image>` expanded the same way (or
+keeps a span already written out). The soft-token count is checked against the model's rows for
+the views the processor cut. Every run of image soft tokens is a bidirectional range
+(transformers' `token_type_ids` = 1 there, one block per run). When scheduled, the same
+processor call on the pixels gives `pixel_values [views, 3, S, S]` and must write the same span.
 
 Pan-and-scan options come per engine or per request (`mm_processor_kwargs`) under
-Gemma3Processor's keys; its own defaults (off, crops of at least 256 px, at most 4, from an
-aspect ratio of 1.2) apply before them, over the image processor's saved values, as in
-transformers.
+Gemma3Processor's keys and go into the processor call, so its own defaults and precedence apply.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.processors.spans import SpanItem, checked_token_ids, expand_spans
+from mmkit.processors.replacements import ReplacementProbe, call_processor, check_feature_rows, expand_text
+from mmkit.processors.spans import (SpanItem, check_text_placeholders, checked_token_ids,
+                                    expand_token_ids_keeping_spans)
 
 # Gemma3Processor's image options (vLLM's `mm_processor_kwargs` for Gemma 3).
 ALLOWED_MM_PROCESSOR_KWARGS = {"do_pan_and_scan": BOOL, "pan_and_scan_min_crop_size": POSITIVE_INT,
@@ -73,7 +74,6 @@ class Gemma3InputProcessor:
         self.vocab_size = model_config.vocab_size
         hf_config = model_config.hf_config
         self.placeholder = hf.image_token  # `<start_of_image>` in prompts
-        self.placeholder_id = self.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.image_token_id = self.tokenizer.image_token_id  # the soft token the features replace
         if self.image_token_id != hf_config.image_token_id:
             raise ValueError(f"model: the processor's image soft token {self.tokenizer.image_token!r} has id "
@@ -84,6 +84,7 @@ class Gemma3InputProcessor:
                              f"image; the model's projector gives mm_tokens_per_image = {self.tokens_per_view}")
         self.max_images = int(limit_mm_per_prompt.get("image", 8))
         self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
+        self.probe = ReplacementProbe(hf)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
@@ -96,97 +97,44 @@ class Gemma3InputProcessor:
         if parsed.num_images > self.max_images:
             raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
                              f"limit_mm_per_prompt['image'] = {self.max_images}")
-        image_options = self._image_options(options)
         images = list(parsed.images)
-        texts = [self._image_text(image, image_options) for image in images]
+        wheres = [f"{where}.multi_modal_data.image[{k}]" for k in range(len(images))]
+        if parsed.prompt is not None:  # the count first: a clear error before any processor call
+            check_text_placeholders(where, parsed.prompt, {"image": self.placeholder}, {"image": len(images)})
+        reps = [self.probe.replacement("image", im.width, im.height, 1, options, w) for im, w in zip(images, wheres)]
         if parsed.prompt is not None:
-            ids, ranges = self._expand_text(where, parsed.prompt, texts)
-            items = [self._item(where, k, image, ids[lo:lo + n], image_options)
-                     for k, (image, (lo, n)) in enumerate(zip(images, ranges))]
+            exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
         else:
             ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
-            items = [self._item(where, k, image, list(self.tokenizer(text, add_special_tokens=False).input_ids),
-                                image_options) for k, (image, text) in enumerate(zip(images, texts))]
-            ids, ranges = expand_spans(where, ids, {"image": self.placeholder_id}, items, allow_expanded=True)
-        for item in items:
-            self._check_span(item)
-        return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
-                               placeholder_ranges=ranges, images=items, mm_processor_kwargs=options,
-                               bidirectional_ranges=soft_token_runs(ranges, ids, self.image_token_id))
+            exp = expand_token_ids_keeping_spans(self.hf_processor, self.tokenizer, where, ids, {"image": reps})
+        items = []
+        for (_, k), rng in zip(exp.order, exp.ranges):
+            item = SpanItem("image", [images[k]], exp.token_ids[rng.offset:rng.offset + rng.length], dict(options),
+                            where=wheres[k])
+            self._check_span(item, reps[k].outputs)
+            items.append(item)
+        return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=exp.token_ids,
+                               placeholder_ranges=exp.ranges, images=items, mm_processor_kwargs=options,
+                               bidirectional_ranges=soft_token_runs(exp.ranges, exp.token_ids, self.image_token_id))
 
-    def _image_options(self, options: dict) -> dict[str, Any]:
-        """The image processor's keyword arguments: Gemma3Processor's defaults, then `options`
-        (transformers' own merge, so the precedence is the reference's)."""
-        merged = self.hf_processor._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, **options)
-        return dict(merged["images_kwargs"])
-
-    def _num_crops(self, image: ImageItem, image_options: dict) -> int:
-        if not image_options.get("do_pan_and_scan"):
-            return 0
-        # The image processor's own crop rule on a shape-only image (stride 0: no pixels): the
-        # torchvision backend's batched form, or the PIL backend's per-image one.
-        args = (image_options["pan_and_scan_min_crop_size"], image_options["pan_and_scan_max_num_crops"],
-                image_options["pan_and_scan_min_ratio_to_activate"])
-        batched = getattr(self.image_processor, "pan_and_scan_batched", None)
-        if batched is not None:
-            return len(batched(torch.zeros(()).expand(1, 3, image.height, image.width), *args))
-        import numpy as np
-
-        return len(self.image_processor.pan_and_scan(np.broadcast_to(np.zeros((), np.uint8),
-                                                                     (3, image.height, image.width)), *args))
-
-    def _image_text(self, image: ImageItem, image_options: dict) -> str:
-        return self.hf_processor.replace_image_token({"num_crops": [self._num_crops(image, image_options)]}, 0)
-
-    def _expand_text(self, where: str, prompt: str, texts: list[str]) -> tuple[list[int], list[PlaceholderRange]]:
-        """The processor's own placeholder replacement, the text tokenized whole, each image's
-        span from its characters (the tokens are transformers')."""
-        found = prompt.count(self.placeholder)
-        if found != len(texts):
-            raise ValueError(f"{where}: the prompt has {found} {self.placeholder} placeholder(s) for {len(texts)} "
-                             "image(s); expected one placeholder per image")
-        if not texts:
-            return list(self.tokenizer(prompt).input_ids), []
-        expanded, offsets = self.hf_processor.get_text_with_replacements([prompt], texts)
-        encoding = self.tokenizer(expanded[0])
-        ranges: list[PlaceholderRange] = []
-        for entry in offsets[0]:
-            first, last = _token_bounds(encoding, *entry["new_span"])
-            if ranges and first < ranges[-1].offset + ranges[-1].length:
-                raise ValueError(f"{where}: two {self.placeholder} placeholders share a token; separate them")
-            ranges.append(PlaceholderRange(first, last - first + 1))
-        if len(ranges) != len(texts):  # pragma: no cover - a placeholder the processor does not replace
-            raise ValueError(f"{where}: the processor replaced {len(ranges)} of {len(texts)} placeholders")
-        return list(encoding.input_ids), ranges
-
-    def _item(self, where: str, k: int, image: ImageItem, span: list[int], image_options: dict) -> SpanItem:
-        return SpanItem("image", [image], list(span), dict(image_options),
-                        where=f"{where}.multi_modal_data.image[{k}]")
-
-    def _check_span(self, item: SpanItem) -> None:
-        """The span's soft tokens must be the model's feature rows for the image and its crops."""
-        expected = self.tokens_per_view * (1 + self._num_crops(item.frames[0], item.options))
-        got = sum(1 for t in item.span_ids if t == self.image_token_id)
-        if got != expected:
-            raise ValueError(f"{item.where}: the processor's text holds {got} image soft tokens but the model "
-                             f"produces {expected} features for it; refusing to misalign them")
+    def _check_span(self, item: SpanItem, outputs: Mapping[str, Any]) -> None:
+        """The span's soft tokens must be the model's feature rows: mm_tokens_per_image per view
+        the processor cut (the image and its crops)."""
+        views = int(outputs["pixel_values_shape"][0])  # [views, 3, S, S]
+        image = item.frames[0]
+        check_feature_rows(item.where, f"an image of {image.width}x{image.height}",
+                           sum(1 for t in item.span_ids if t == self.image_token_id), self.tokens_per_view * views,
+                           f" ({views} views)")
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: SpanItem) -> MultiModalKwargs:
         """{"pixel_values": [views, 3, S, S] (the image, then its crops), "span_ids": [L]}."""
-        out = self.image_processor(images=[item.frames[0].to_pil()], return_tensors="pt", **item.options)
-        pixels = out["pixel_values"]
-        views = 1 + self._num_crops(item.frames[0], item.options)
-        if pixels.shape[0] != views:
-            raise ValueError(f"{item.where}: the image processor produced {pixels.shape[0]} views where {views} "
-                             "were predicted; refusing to misalign the placeholders")
-        return {"pixel_values": pixels, "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}
-
-
-def _token_bounds(encoding, start: int, end: int) -> tuple[int, int]:
-    """First and last token holding a character of [start, end) (a character no token holds,
-    e.g. whitespace a tokenizer drops, is skipped)."""
-    chars = range(start, end)
-    first = next(t for t in (encoding.char_to_token(c) for c in chars) if t is not None)
-    last = next(t for t in (encoding.char_to_token(c) for c in reversed(chars)) if t is not None)
-    return first, last
+        image = item.frames[0].to_pil()
+        rep, out = call_processor(self.hf_processor, "image", [image], item.options, item.where)
+        predicted = self.probe.replacement("image", image.width, image.height, 1, item.options, item.where)
+        if rep.text != predicted.text:
+            raise ValueError(f"{item.where}: the processor wrote a different span for the image's pixels "
+                             f"({rep.outputs['pixel_values_shape'][0]} views) than for its size "
+                             f"({predicted.outputs['pixel_values_shape'][0]} views); refusing to misalign the "
+                             "placeholders")
+        return {"pixel_values": out["pixel_values"], "span_ids": torch.tensor(item.span_ids, dtype=torch.long)}

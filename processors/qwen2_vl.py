@@ -1,11 +1,15 @@
 """Qwen2-VL / Qwen2.5-VL input processing with the checkpoint's own HF processor.
 
-Up front (cheap, for the whole call before anything is added): tokenize, predict each item's
-patch grid with the image processor's own `smart_resize` (dynamic resolution bounded by
-min/max_pixels), expand every `<|image_pad|>` / `<|video_pad|>` to t*h*w / merge^2 tokens,
-record the placeholder ranges and compute the M-RoPE positions. At scheduling time the HF
-image / video processor turns one item into `pixel_values [num_patches, C*T*P*P]` and its
-`grid_thw`, which must equal the prediction (checked: never a silent misalignment).
+Up front (cheap, for the whole call before anything is added): what the processor writes for
+each image / video at its size, frame count and options (`processors/replacements.py`: a blank
+item of that size through the processor itself, cached), with the patch grid it reports
+(`image_grid_thw` / `video_grid_thw`); the prompt is expanded by the processor's own
+`get_text_with_replacements`. An item's placeholder range is its run of `<|image_pad|>` /
+`<|video_pad|>` tokens (checked against the model's t*h*w / merge^2 rows for that grid), and the
+M-RoPE positions follow from the grid. Options (`min_pixels`, `max_pixels`, `fps`) go into the
+processor call as its own `size` / `fps` arguments. At scheduling time the same processor call
+on the item's pixels gives `pixel_values [num_patches, C*T*P*P]` and its `grid_thw`, and must
+write the same text (checked: never a silent misalignment).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.multimodal.video import parse_videos
 from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
+from mmkit.processors.replacements import (Replacement, ReplacementProbe, call_processor, check_feature_rows,
+                                           expand_text, expand_token_ids, feature_run)
+from mmkit.processors.spans import checked_token_ids
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}
-_MODALITY_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids values
+_CLIP_FPS_WITHOUT_METADATA = 24.0  # transformers' frame rate for frames given without metadata
 
 
 @dataclass
@@ -37,11 +44,13 @@ class VisionItem:
     """One image or video of a prompt, validated; pixels are processed only when scheduled."""
 
     modality: str  # "image" | "video"
-    frames: list[ImageItem]  # one frame for an image
-    grid_thw: tuple[int, int, int]  # patch grid the HF processor will produce (before the 2x2 merge)
-    num_tokens: int  # placeholder tokens: t * h * w / merge^2
+    frames: list[ImageItem]  # one frame for an image; every given frame of a video
+    grid_thw: tuple[int, int, int]  # patch grid the HF processor reports (before the 2x2 merge)
+    num_tokens: int  # tokens of the item's placeholder range
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # effective mm_processor_kwargs
     time_interval: float = 1.0  # M-RoPE temporal step
+    replacement: str = ""  # what the processor writes for the item (the same call must write it again)
+    where: str = ""  # e.g. "inputs[0].multi_modal_data.image[1]", for error messages
     _hash: str | None = None
 
     @property
@@ -96,6 +105,7 @@ class Qwen2VLInputProcessor:
         self.max_items = {m: int(limit_mm_per_prompt.get(m, 8 if m == "image" else 1)) for m in ("image", "video")}
         self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         self.deepstack_layers = 0  # Qwen3-VL: DeepStack feature sets carried beside given image embeddings
+        self.probe = ReplacementProbe(self.hf_processor)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
@@ -112,18 +122,23 @@ class Qwen2VLInputProcessor:
             if len(items) > self.max_items[modality]:
                 raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
                                  f"limit_mm_per_prompt['{modality}'] = {self.max_items[modality]}")
+        wheres = {m: [f"{where}.multi_modal_data.{m}[{i}]" for i in range(len(items))] for m, items in given.items()}
+        reps = {m: [self._replacement(at, m, item, kwargs) for at, item in zip(wheres[m], items)]
+                for m, items in given.items()}
         if parsed.prompt is not None:
-            ids = list(self.tokenizer(parsed.prompt).input_ids)
+            self._check_counts(where, {m: parsed.prompt.count(self.token_names[m]) for m in given}, given)
+            exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, reps)
         else:
-            ids = list(parsed.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{where}.prompt_token_ids: got token id {bad[0]}; expected ids in "
-                                 f"[0, {self.vocab_size})")
-        vision = {m: [item if isinstance(item, GivenEmbedsItem)
-                      else self._vision_item(f"{where}.multi_modal_data.{m}[{i}]", m, item, kwargs)
-                      for i, item in enumerate(items)] for m, items in given.items()}
-        ids, ranges, ordered = self._expand(where, ids, vision, allow_expanded=parsed.prompt is None)
+            ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
+            exp = expand_token_ids(self.hf_processor, self.tokenizer, where, ids, reps)
+        ranges: list[PlaceholderRange] = []
+        ordered: list[VisionItem | GivenEmbedsItem] = []
+        for (modality, k), rng in zip(exp.order, exp.ranges):
+            item, rng = self._item(wheres[modality][k], modality, given[modality][k], reps[modality][k],
+                                   exp.token_ids, rng, kwargs)
+            ranges.append(rng)
+            ordered.append(item)
+        ids = exp.token_ids
         positions, delta = mrope_positions(len(ids), self._mrope_items(ranges, ordered))
         self._check_positions(where, positions, delta, kwargs)
         # NOTE: `images` holds every item (images and videos) in placeholder order: the
@@ -145,108 +160,102 @@ class Qwen2VLInputProcessor:
             raise ValueError(f"{where}: M-RoPE positions reach {highest} (mm_processor_kwargs={kwargs}); expected "
                              f"below {limit}: use a larger fps or fewer frames")
 
+    def _check_counts(self, where: str, found: Mapping[str, int], given: Mapping[str, list]) -> None:
+        if all(found[m] == len(items) for m, items in given.items()):
+            return
+        parts = [f"{found[m]} {self.token_names[m]} placeholder(s) for {len(items)} {m}(s)"
+                 for m, items in given.items()]
+        raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + "; expected one placeholder per item")
+
     def _mrope_items(self, ranges: list[PlaceholderRange], ordered: list[VisionItem]) -> list[MRopeItem]:
         return [MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)]
-
-    def _placeholder_ids(self, item: VisionItem) -> list[int]:
-        """The tokens one item's placeholder becomes (its range in the prompt)."""
-        return [self.token_ids[item.modality]] * item.num_tokens
 
     def _merged_grid(self, item: VisionItem) -> tuple[int, int, int]:
         t, h, w = item.grid_thw
         return t, h // self.merge_size, w // self.merge_size
 
-    def _vision_item(self, where: str, modality: str, frames: Any, kwargs: dict) -> VisionItem:
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    def item_options(self, modality: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The request's options that apply to an item of `modality` (an image has no fps)."""
+        return {k: v for k, v in kwargs.items() if k != "fps" or modality == "video"}
 
-        frames = frames if isinstance(frames, list) else [frames]
-        proc = self.image_processor if modality == "image" else self.video_processor
-        if proc is None:
+    def processor_call_kwargs(self, modality: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        """An item's options as the HF processor's own arguments: min/max_pixels as its `size`
+        (shortest_edge / longest_edge; the form every supported transformers honours), fps as
+        its `fps` (the Qwen3-VL video processor's sampling rate)."""
+        call: dict[str, Any] = {}
+        if "min_pixels" in options or "max_pixels" in options:
+            proc = self.image_processor if modality == "image" else self.video_processor
+            size = dict(proc.size)
+            size["shortest_edge"] = options.get("min_pixels", size.get("shortest_edge"))
+            size["longest_edge"] = options.get("max_pixels", size.get("longest_edge"))
+            call["size"] = size
+        if modality == "video" and "fps" in options:
+            call["fps"] = options["fps"]
+        return call
+
+    def _replacement(self, where: str, modality: str, item: Any, kwargs: Mapping[str, Any]) -> Replacement:
+        """What the processor writes for one item, probed at its size, frame count and options."""
+        if isinstance(item, GivenEmbedsItem):  # no pixels: the processor's text for the given grid
+            grid = torch.tensor([item.grid_thw])
+            return Replacement("image", self.hf_processor.replace_image_token({"image_grid_thw": grid}, 0),
+                               {"image_grid_thw": list(item.grid_thw)})
+        if modality == "video" and self.video_processor is None:
             raise ValueError(f"{where}: this checkpoint's processor has no video processor")
-        size = dict(proc.size)
-        min_pixels = kwargs.get("min_pixels", size.get("shortest_edge"))
-        max_pixels = kwargs.get("max_pixels", size.get("longest_edge"))
-        patch, merge, temporal = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+        frames = item if isinstance(item, list) else [item]
         width, height = frames[0].width, frames[0].height
+        call = self.processor_call_kwargs(modality, self.item_options(modality, kwargs))
         try:
-            rh, rw = smart_resize(height, width, factor=patch * merge, min_pixels=min_pixels, max_pixels=max_pixels)
-        except ValueError as exc:  # aspect ratio over 200
-            raise ValueError(f"{where}: got a {width}x{height} {modality}: {exc}") from None
-        # An image is one temporal patch (the processor repeats it); a video's frames are padded
-        # to a multiple of temporal_patch_size by repeating the last one, as transformers does.
-        t = 1 if modality == "image" else -(-len(frames) // temporal)
-        grid = (t, rh // patch, rw // patch)
+            return self.probe.replacement(modality, width, height, len(frames), call, where)
+        except ValueError as exc:  # e.g. an aspect ratio over 200, too few frames
+            what = f"{width}x{height} image" if modality == "image" else f"{len(frames)}-frame {width}x{height} video"
+            raise ValueError(f"{where}: got a {what}: {_reason(exc, where)}") from None
+
+    def _item(self, where: str, modality: str, given: Any, rep: Replacement, ids: list[int],
+              rng: PlaceholderRange, kwargs: Mapping[str, Any]) -> tuple[Any, PlaceholderRange]:
+        """The item and its placeholder range (its run of image / video tokens)."""
+        rng = feature_run(where, ids, rng, self.token_ids[modality], f"a {modality}")
+        grid = tuple(int(x) for x in rep.outputs[f"{modality}_grid_thw"])
+        t, h, w = grid
+        check_feature_rows(where, f"a {modality} with patch grid {grid}", rng.length, t * h * w // self.merge_size ** 2)
+        if isinstance(given, GivenEmbedsItem):
+            return given, rng
+        frames = given if isinstance(given, list) else [given]
+        options = self.item_options(modality, kwargs)
         interval = 1.0
         if modality == "video" and self.tokens_per_second is not None:
-            fps = kwargs.get("fps", 24.0)  # transformers' sampled_fps for frames without metadata
-            interval = self.tokens_per_second * temporal / fps
-        used = {k: v for k, v in kwargs.items() if k != "fps" or modality == "video"}
-        return VisionItem(modality, frames, grid, t * grid[1] * grid[2] // merge ** 2, used, interval)
-
-    def _expand(self, where: str, ids: list[int], vision: dict[str, list[VisionItem]], allow_expanded: bool):
-        """Expand each placeholder token to its item's token count; items in prompt order."""
-        token_to_modality = {tid: m for m, tid in self.token_ids.items()}
-        queues = {m: list(items) for m, items in vision.items()}
-        out: list[int] = []
-        ranges: list[tuple[int, int]] = []
-        ordered: list[VisionItem] = []
-        i = 0
-        while i < len(ids):
-            modality = token_to_modality.get(ids[i])
-            if modality is None:
-                out.append(ids[i])
-                i += 1
-                continue
-            run = 1
-            while i + run < len(ids) and ids[i + run] == ids[i]:
-                run += 1
-            queue = queues[modality]
-            if not queue:
-                raise ValueError(self._count_error(where, ids, vision))
-            n = queue[0].num_tokens
-            if run != 1 and not (allow_expanded and run == n):
-                raise ValueError(f"{where}: a run of {run} {self.token_names[modality]} tokens (id {ids[i]}); "
-                                 f"expected one per {modality}, each inside <|vision_start|>...<|vision_end|>"
-                                 + (f", or exactly {n} (this {modality}'s token count)" if allow_expanded else ""))
-            item = queue.pop(0)
-            ranges.append(PlaceholderRange(len(out), item.num_tokens))
-            ordered.append(item)
-            out.extend(self._placeholder_ids(item))
-            i += run
-        if any(queues.values()):
-            raise ValueError(self._count_error(where, ids, vision))
-        return out, ranges, ordered
-
-    def _count_error(self, where: str, ids: list[int], vision: dict[str, list[VisionItem]]) -> str:
-        parts = []
-        for modality, items in vision.items():
-            tid = self.token_ids[modality]
-            runs = sum(1 for j, t in enumerate(ids) if t == tid and (j == 0 or ids[j - 1] != tid))
-            parts.append(f"{runs} {self.token_names[modality]} placeholder(s) for {len(items)} {modality}(s)")
-        return f"{where}: the prompt has " + " and ".join(parts) + "; expected one placeholder per item"
+            # Qwen2.5-VL: `fps` is the given frames' rate (transformers assumes 24 without metadata).
+            fps = options.get("fps", _CLIP_FPS_WITHOUT_METADATA)
+            interval = self.tokens_per_second * self.video_processor.temporal_patch_size / fps
+        return VisionItem(modality, frames, grid, rng.length, options, interval, rep.text, where), rng
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: VisionItem) -> MultiModalKwargs:
         """One item -> {"pixel_values": [num_patches, C*T*P*P], "grid_thw": [1, 3]} via the HF
-        image or video processor (the model's `embed_multimodal` input)."""
-        size_kwargs = {}
-        if "min_pixels" in item.processor_kwargs or "max_pixels" in item.processor_kwargs:
-            proc = self.image_processor if item.modality == "image" else self.video_processor
-            size = dict(proc.size)
-            size["shortest_edge"] = item.processor_kwargs.get("min_pixels", size["shortest_edge"])
-            size["longest_edge"] = item.processor_kwargs.get("max_pixels", size["longest_edge"])
-            size_kwargs["size"] = size
+        processor's call on its pixels (the model's `embed_multimodal` input)."""
+        _, out = self.processor_outputs(item)
+        suffix = "" if item.modality == "image" else "_videos"
+        return {"pixel_values": out[f"pixel_values{suffix}"], "grid_thw": out[f"{item.modality}_grid_thw"]}
+
+    def processor_outputs(self, item: VisionItem) -> tuple[Replacement, Any]:
+        """The processor on the item's pixels with its options; it must write the text the item
+        was expanded with."""
         frames = [f.to_pil().convert("RGB") for f in item.frames]
-        if item.modality == "image":
-            out = self.image_processor(images=frames, return_tensors="pt", **size_kwargs)
-            pixels, grid = out["pixel_values"], out["image_grid_thw"]
-        else:
-            out = self.video_processor(videos=[frames], return_tensors="pt", **size_kwargs)
-            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
-        if tuple(grid[0].tolist()) != item.grid_thw:
-            raise ValueError(f"{item.frames[0].where}: the processor produced a {tuple(grid[0].tolist())} patch grid "
-                             f"where {item.grid_thw} was predicted; refusing to misalign the placeholders")
-        return {"pixel_values": pixels, "grid_thw": grid}
+        where = item.where or item.frames[0].where
+        rep, out = call_processor(self.hf_processor, item.modality, frames,
+                                  self.processor_call_kwargs(item.modality, item.processor_kwargs), where)
+        if rep.text != item.replacement:
+            grid = tuple(rep.outputs.get(f"{item.modality}_grid_thw", ()))
+            raise ValueError(f"{where}: the processor produced a {grid} patch grid where {item.grid_thw} was "
+                             "predicted; refusing to misalign the placeholders")
+        return rep, out
 
     def decode(self, token_ids: list[int], **kwargs: Any) -> str:
         return self.tokenizer.decode(token_ids, **kwargs)
+
+
+def _reason(exc: ValueError, where: str) -> str:
+    """The processor's own words for refusing an item (`call_processor` wraps them)."""
+    cause = exc.__context__
+    if isinstance(cause, (ValueError, TypeError)):
+        return str(cause)
+    return str(exc).removeprefix(f"{where}: ")

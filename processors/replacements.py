@@ -149,7 +149,8 @@ class Expansion:
 def expand_text(hf_processor: Any, tokenizer: Any, where: str, prompt: str,
                 replacements: Mapping[str, Sequence[Replacement]]) -> Expansion:
     """The processor's own expansion of a text prompt, tokenized whole (as its `__call__` does)."""
-    _check_counts(where, {m: prompt.count(placeholder_token(hf_processor, m)) for m in replacements}, replacements)
+    _check_counts(where, {m: prompt.count(placeholder_token(hf_processor, m)) for m in replacements}, replacements,
+                  hf_processor)
     texts = {m: [r.text for r in reps] for m, reps in replacements.items()}
     if not any(texts.values()):
         return Expansion(list(tokenizer(prompt).input_ids), [], [])
@@ -185,12 +186,14 @@ def _token_bounds(encoding, start: int, end: int) -> tuple[int, int]:
 
 
 def _check_counts(where: str, found: Mapping[str, int], replacements: Mapping[str, Sequence[Replacement]],
-                  names: Mapping[str, str] | None = None) -> None:
+                  hf_processor: Any) -> None:
     if all(found[m] == len(replacements[m]) for m in replacements):
         return
     parts = [f"{found[m]} {m} placeholder(s) for {len(reps)} {m}(s)" for m, reps in replacements.items()
              if found[m] or reps]
-    raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + "; expected one placeholder per item")
+    tokens = " or ".join(placeholder_token(hf_processor, m) for m in replacements)
+    raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + f"; expected one placeholder ({tokens}) "
+                     "per item")
 
 
 def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequence[int],
@@ -214,7 +217,7 @@ def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequenc
             continue
         found[modality] += 1
         if not queues[modality]:
-            _check_counts(where, _count_placeholders(ids, placeholder_ids, replacements), replacements)
+            _check_counts(where, _count_placeholders(ids, placeholder_ids, replacements), replacements, hf_processor)
         index, rep = queues[modality].pop(0)
         bare = _tokens(tokenizer, rep.text)
         if allow_expanded and len(bare) > 1 and list(ids[i:i + len(bare)]) == bare:
@@ -245,7 +248,7 @@ def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequenc
         order.append((modality, index))
         out.extend(encoding.input_ids)
         i += 1 + right
-    _check_counts(where, _count_placeholders(ids, placeholder_ids, replacements, found), replacements)
+    _check_counts(where, _count_placeholders(ids, placeholder_ids, replacements, found), replacements, hf_processor)
     return Expansion(out, ranges, order)
 
 

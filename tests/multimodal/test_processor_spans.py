@@ -26,25 +26,21 @@ def _lying_helper(original):
         for key in ("num_image_tokens", "num_video_tokens"):
             if data.get(key) is not None:
                 data[key] = [max(1, int(n) - 3) for n in data[key]]
+        if data.get("num_image_patches") is not None:  # tiles / views (InternVL, Idefics3)
+            data["num_image_patches"] = [int(n) + 1 for n in data["num_image_patches"]]
         return type(counts)(**data) if not isinstance(counts, dict) and original is not None else data
     return helper
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {}
-
-
 @pytest.mark.parametrize("arch", tiny_architectures())
-def test_prompt_equals_processor_output_when_the_count_helper_lies(arch, checkpoints, tmp_path_factory,
-                                                                   monkeypatch):
+def test_prompt_equals_processor_output_when_the_count_helper_lies(arch, tmp_path_factory, monkeypatch):
     from transformers import AutoProcessor
 
     path = build_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
     hf = AutoProcessor.from_pretrained(path)
     cls = type(hf)
-    monkeypatch.setattr(cls, "_get_num_multimodal_tokens", _lying_helper(getattr(cls, "_get_num_multimodal_tokens", None)),
-                        raising=False)
+    monkeypatch.setattr(cls, "_get_num_multimodal_tokens",
+                        _lying_helper(getattr(cls, "_get_num_multimodal_tokens", None)), raising=False)
     image = Image.new("RGB", (45, 37), (200, 30, 60))
     prompt = f"Look {hf.image_token} and say"
     expected = [int(t) for t in hf(text=[prompt], images=[image])["input_ids"][0]]

@@ -62,9 +62,8 @@ def hf_greedy_ids(path, ids, images, mm_kwargs=None, bidirectional=True) -> list
     _, processor = _hf_model(str(path))
     inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if images:
-        inputs["pixel_values"] = processor.image_processor(images=images, return_tensors="pt",
-                                                           **dict(processor.images_kwargs, **(mm_kwargs or {}))
-                                                           )["pixel_values"]
+        inputs["pixel_values"] = processor(text=[processor.image_token * len(images)], images=[images],
+                                           return_tensors="pt", **(mm_kwargs or {}))["pixel_values"]
     if bidirectional:
         inputs["token_type_ids"] = (inputs["input_ids"] == processor.tokenizer.image_token_id).long()
     return hf_generate(path, inputs)
@@ -298,7 +297,8 @@ def test_unsupported_configs_are_refused_by_name():
         ModelRegistry.architecture_of(config(use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
         ModelRegistry.architecture_of(config(attn_logit_softcapping=50.0))
-    llama = transformers.Gemma3Config(text_config=transformers.LlamaConfig())
+    # As a config.json holds it (transformers 5.17 refuses a LlamaConfig object there).
+    llama = transformers.Gemma3Config(text_config={"model_type": "llama"})
     llama.architectures = [ARCH]
     with pytest.raises(ValueError, match=r"with a 'llama' language model is not supported; supported language "
                                          r"models: \['gemma3_text'\]"):

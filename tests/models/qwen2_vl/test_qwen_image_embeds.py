@@ -39,9 +39,14 @@ def given(path, images) -> dict:
     ref = hf_inputs(path, P_IMG, images[:1]) if len(images) == 1 else hf_inputs(path, P_2IMG, images)
     with torch.no_grad():
         out = model.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"])
-    parts = [torch.cat(out.pooler_output)]
-    parts += [torch.cat(f) for f in (getattr(out, "deepstack_features", None) or [])]
+    parts = [_joined(out.pooler_output)]
+    parts += [_joined(f) for f in (getattr(out, "deepstack_features", None) or [])]
     return {"image_embeds": torch.cat(parts, dim=-1), "image_grid_thw": ref["image_grid_thw"]}
+
+
+def _joined(features) -> torch.Tensor:
+    """Per-image feature rows joined (transformers 5.17 returns them joined already)."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(features)
 
 
 def test_given_embeddings_give_transformers_ids(ckpt):
