@@ -50,8 +50,15 @@ class CompressedTensorsLoader:
         replaced = []
         for module_name, parts in self.parts.items():
             parent_name, _, attr = module_name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            old = getattr(parent, attr)
+            try:
+                parent = model.get_submodule(parent_name)
+            except AttributeError:
+                parent = None
+            old = getattr(parent, attr, None)
+            if not isinstance(old, nn.Linear):  # never dropped: a quantized tensor the model has no layer for
+                keys = [f"{self.ckpt_names[module_name]}.{suffix}" for suffix in parts]
+                raise ValueError(f"model: checkpoint has quantized weights for a module the model does not have "
+                                 f"(or that is not a linear layer): {keys}")
             bias = None if old.bias is None or old.bias.is_meta else old.bias
             if old.bias is not None and old.bias.is_meta:
                 raise ValueError(f"model: checkpoint lacks {self.ckpt_names[module_name]}.bias")
@@ -67,6 +74,10 @@ class CompressedTensorsLoader:
         where = self.ckpt_names[name]
         if "weight_scale" not in parts:
             raise ValueError(f"model: checkpoint lacks {where}.weight_scale")
+        saved_shape = parts.get("weight_shape")
+        if saved_shape is not None and tuple(int(v) for v in saved_shape.reshape(-1).tolist()) != shape:
+            raise ValueError(f"model: quantized weight {where!r} has weight_shape {saved_shape.tolist()} in the "
+                             f"checkpoint; the config implies {list(shape)}")
         scale = parts["weight_scale"].float().reshape(shape[0], -1)  # [N, G]
         if w.type == "float":
             return Fp8Linear(parts["weight"].to(device), scale.to(device), bias,

@@ -82,7 +82,7 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         "span_ids": [L]} -> one [L, hidden] tensor each (views of a video are its frames)."""
         base_cls = self._hf_classes()[0]
         owner = SimpleNamespace(config=self.config, vision_model=self.vision_model, connector=self.connector,
-                                dtype=self.connector.modality_projection.proj.weight.dtype)
+                                dtype=self.vision_model.dtype)
         out = []
         for item in items:
             features = base_cls.get_image_features(owner, pixel_values=item["pixel_values"],

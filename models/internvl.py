@@ -85,7 +85,7 @@ class InternVLForConditionalGeneration(DecoderLMMixin, nn.Module):
         each; the tower runs once over every tile of the call."""
         if not items:
             return []
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        dtype = self.vision_tower.dtype  # (the projector's weight may be quantized)
         pixel_values = torch.cat([item["pixel_values"] for item in items]).to(dtype)
         features = self.encode_images(pixel_values)  # [total_tiles, rows_per_tile, hidden]
         per_item = features.split([item["pixel_values"].shape[0] for item in items])

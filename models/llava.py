@@ -84,7 +84,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
         if not items:
             return []
         pixel_values = torch.cat([item["pixel_values"] for item in items])
-        return list(self.encode_images(pixel_values.to(self.multi_modal_projector.linear_1.weight.dtype)))
+        return list(self.encode_images(pixel_values.to(self.vision_tower.dtype)))
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, image_seq_length, text_hidden] (after the projector)."""

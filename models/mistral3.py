@@ -90,7 +90,7 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
 
         NOTE: one tower call per image: Pixtral attends within an image only (transformers
         batches a prompt's images with a block-diagonal mask), so the features are the same."""
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        dtype = self.vision_tower.dtype  # (the projector's weight may be quantized)
         layer = self.config.vision_feature_layer
         layers = [layer] if isinstance(layer, int) else list(layer)
         out = []

@@ -157,9 +157,14 @@ def check_text_model(architecture: str, hf_config: Any,
 
 
 def ties_word_embeddings(config: Any) -> bool:
-    """Whether the LM head shares the embedding matrix (set on the composite or on its text_config)."""
-    return bool(getattr(config, "tie_word_embeddings", False)
-                or getattr(config.get_text_config(), "tie_word_embeddings", False))
+    """Whether the config asks for the LM head to share the embedding matrix, by transformers'
+    rule (5.17-5.25): `tie_weights` reads `tie_word_embeddings` of the config of the class that
+    owns `lm_head` (the composite's, `_tied_weights_keys`), never its text_config's. Where a
+    family forwards text_config's flag to the top (LLaVA, OneVision, Qwen2/2.5-VL), its config
+    class already did so when AutoConfig read it. NOTE: a Qwen3-VL(-MoE) or Gemma 3 text_config
+    defaults to True while the composite says False: not tied. `weight_utils.load_vlm_checkpoint`
+    applies transformers' checkpoint exception (both tensors present and different: not tied)."""
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 # Built-in families: one line per architecture, registered through the public call.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -14,7 +15,8 @@ from mmkit.models.checkpoint_keys import KeyMapper, transformers_key_mapper
 from mmkit.models.meta_init import meta_tensor_names
 from mmkit.models.quantization import ONLINE_METHODS, OnlineQuantLoader
 
-# Buffers some old checkpoints carry that mmkit recomputes.
+# Buffers some old checkpoints carry that mmkit recomputes; transformers drops them too
+# (`_adjust_missing_and_unexpected_keys`), so they are a warning listing them, not an error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
@@ -47,10 +49,16 @@ def _open_safetensors(file: Path):
         return safe_open(str(file), framework="pt")
 
 
-def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_mapper: KeyMapper,
+def load_weights(model: nn.Module, path: Path, tied: dict[str, str] | None, key_mapper: KeyMapper,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 quant_loader=None) -> None:
-    """Copy checkpoint tensors into `model`; error on anything missing.
+                 quant_loader=None) -> set[str]:
+    """Copy checkpoint tensors into `model`; error on anything missing or left over. Returns
+    the names of the parameters the checkpoint gave.
+
+    `tied`: {target: source} parameter names the caller ties after loading (the LM head and
+    the token embedding); either one may be absent from the checkpoint, not both. Every
+    checkpoint tensor is consumed or named in an error, except the buffers transformers drops
+    too (`_IGNORED_SUFFIXES`), which are listed in a warning.
 
     A parameter on the meta device (built under `meta_init.meta_parameters()`) is created here,
     once, in `dtype` and on `device` (default: its own dtype, the CPU), with the values the
@@ -64,14 +72,16 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
     materialized: dict[int, nn.Parameter] = {}  # id(meta Parameter) -> its real replacement
     loaded: set[str] = set()
     unexpected: list[str] = []
+    ignored: list[str] = []
     for key, name, tensor in iterate_weights(path, key_mapper):
         if quant_loader is not None and quant_loader.claims(key, name, tensor):
             continue
         target = params.get(name)
         if target is None:
-            if not name.endswith(_IGNORED_SUFFIXES):
-                unexpected.append(key)
+            (ignored if name.endswith(_IGNORED_SUFFIXES) else unexpected).append(key)
             continue
+        if name in loaded:
+            raise ValueError(f"model: checkpoint {str(path)!r} gives {name!r} twice (the last copy is {key!r})")
         # A module may accept another layout of its tensor (MoE experts: the hub's transposed one).
         owner, local_name = holders[id(target)][0]
         adapt = getattr(owner, "checkpoint_tensor", None)
@@ -95,14 +105,21 @@ def load_weights(model: nn.Module, path: Path, tie_word_embeddings: bool, key_ma
     if quant_loader is not None:
         loaded.update(quant_loader.install(model, dtype, device))
     missing = [n for n in params if n not in loaded and not n.endswith(_IGNORED_SUFFIXES)]
-    if tie_word_embeddings:  # the LM head is the token embedding (tied after loading)
-        missing = [n for n in missing if n != "lm_head.weight"]
+    for target_name, source_name in (tied or {}).items():  # one of the pair is enough (tied after loading)
+        if target_name in loaded or source_name in loaded:
+            missing = [n for n in missing if n not in (target_name, source_name)]
     if missing:
         raise ValueError(f"model: checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:5]}")
     if unexpected:
         raise ValueError(
-            f"model: checkpoint {str(path)!r} has {len(unexpected)} unexpected weights, e.g. {unexpected[:5]}"
+            f"model: checkpoint {str(path)!r} has {len(unexpected)} unexpected weights (the model does not use them): "
+            f"{unexpected[:20]}"
+            + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else "")
         )
+    if ignored:
+        warnings.warn(f"model: checkpoint {str(path)!r} has {len(ignored)} buffers mmkit recomputes (transformers "
+                      f"ignores them too), not loaded: {ignored[:20]}", stacklevel=3)
+    return loaded
 
 
 def _parameter_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -161,7 +178,8 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
     """Load a vision-language checkpoint into `model` (an mmkit family class named after its
     transformers class, with `config`, `tie_word_embeddings`, `lm_head` and a `language_model`
     decoder): keys renamed by transformers' own conversion list for the class (every layout
-    transformers loads), the LM head tied when the config says so, then the decoder's
+    transformers loads), the LM head tied as transformers ties it (`_tie_embeddings`; the
+    model's `tie_word_embeddings` then says whether it is), then the decoder's
     projections fused. Meta parameters are created in `dtype` on `device` (`load_weights`)."""
     mapper = transformers_key_mapper(model.config, transformers_class_name(type(model)))
     spec = getattr(model, "quantization", None)  # set by the model loader (models/quantization.py)
@@ -172,11 +190,35 @@ def load_vlm_checkpoint(model: nn.Module, path: Path, dtype: torch.dtype | None 
         quant_loader = CompressedTensorsLoader(spec)
     elif spec is not None and spec.method in ONLINE_METHODS:
         quant_loader = OnlineQuantLoader(spec, model)
-    load_weights(model, path, model.tie_word_embeddings, mapper, dtype, device, quant_loader)
+    head = _parameter_name(model, model.lm_head.weight)
+    embed = _parameter_name(model, model.language_model.embed_tokens.weight)
+    tied = {head: embed} if model.tie_word_embeddings else None
+    loaded = load_weights(model, path, tied, mapper, dtype, device, quant_loader)
     if model.tie_word_embeddings:
-        model.lm_head.weight = model.language_model.embed_tokens.weight
+        model.tie_word_embeddings = _tie_embeddings(model, head in loaded, embed in loaded)
     params, buffers = meta_tensor_names(model)
     if params or buffers:  # pragma: no cover - load_weights names missing weights first
         names = params + buffers
         raise ValueError(f"model: checkpoint {str(path)!r} lacks {len(names)} weights, e.g. {names[:5]}")
     model.language_model.fuse_weights()
+
+
+def _parameter_name(model: nn.Module, param: nn.Parameter) -> str:
+    return next(name for name, p in model.named_parameters(remove_duplicate=False) if p is param)
+
+
+def _tie_embeddings(model: nn.Module, has_head: bool, has_embed: bool) -> bool:
+    """transformers' `tie_weights` at load time, for a config that asks for tying: the LM head
+    becomes the token embedding; the one the checkpoint lacks takes the other's tensor (it may
+    hold only the head); both present with different values: NOT tied, a warning (the
+    checkpoint's own head is used, never dropped). Returns whether they are tied."""
+    head, embed = model.lm_head.weight, model.language_model.embed_tokens.weight
+    if has_head and has_embed and not torch.equal(head, embed):
+        warnings.warn("model: the config ties the LM head to the token embedding (tie_word_embeddings), but the "
+                      "checkpoint holds both with different values: not tied, as transformers does", stacklevel=3)
+        return False
+    if has_head and not has_embed:
+        model.language_model.embed_tokens.weight = head
+    else:
+        model.lm_head.weight = embed
+    return True

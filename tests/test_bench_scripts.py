@@ -142,3 +142,17 @@ def test_gemm_floor_replays_a_tiny_workload(tiny_ckpt):
         assert k["seconds"] > 0 and k["bound_tok_s"] >= k["tok_s"] > 0
     with pytest.raises(ValueError, match="expected one of"):
         gemm_floor.measure(spec, ["mkl"])
+
+
+def test_step_time_prints_a_row_per_context():
+    """benchmarks/step_time.py on a tiny configuration (no model: scheduler, block manager and
+    decode metadata alone)."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--batch", "4",
+                          "--contexts", "32,64", "--steps", "3", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("CPU: ")
+    rows = [line.split("|") for line in lines if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [32, 64]
+    assert all(float(r[1]) > 0 and float(r[2]) >= 0 for r in rows)

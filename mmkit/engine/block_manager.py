@@ -20,6 +20,12 @@ Block tables are the block manager's own (vLLM v1's `req_to_blocks`): `seq_id ->
 written only here; the scheduler reads them (`get_block_ids`, `block_ids_from`) to describe a
 step, and `Sequence` holds no copy.
 
+Registration is incremental (vLLM v1's `num_cached_block`): each sequence remembers how many
+leading blocks were already considered, so a step publishes only the blocks it fills. A full
+block whose key another block already publishes stays private; it is retried only when that
+key leaves the cache (evicted or forgotten), which gives the same blocks as re-walking every
+full block each step, at the cost of the blocks filled instead of the sequence's length.
+
 Sliding windows (vLLM's sliding-window manager): when every layer of the model attends
 through a window of W tokens, a block whose positions all lie before the next query's window
 (position N - W + 1 once N tokens are computed) is never read again. `free_out_of_window`
@@ -60,6 +66,11 @@ class BlockManager:
         # The block tables: seq_id -> block id per `block_size` positions (NULL_BLOCK: freed out
         # of the window). A sequence holding no block has no entry.
         self.req_to_blocks: dict[int, list[int]] = {}
+        # Prefix-cache registration, incremental (see the module docstring):
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading table entries considered
+        self._private: dict[int, list[int]] = {}  # seq_id -> indices of full blocks kept private
+        self._blocked_by: dict[bytes, set[int]] = {}  # published key -> seq ids with a private copy
+        self._recheck: set[int] = set()  # seq ids whose private copies may be published now
         self.num_cache_queries = 0  # tokens looked up
         self.num_cache_hits = 0  # tokens found
 
@@ -129,6 +140,7 @@ class BlockManager:
             self.ref_counts[block_id] += 1
         if hits:
             self.req_to_blocks[seq.seq_id] = list(hits)
+            self._num_registered[seq.seq_id] = len(hits)  # published already
         seq.num_computed_tokens = len(hits) * self.block_size
 
     def register_full_blocks(self, seq: Sequence, num_computed: int) -> list[int]:
@@ -140,20 +152,29 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        seq_id = seq.seq_id
         num_full = min(num_computed // self.block_size, len(seq.block_hashes))
-        table = self.req_to_blocks.get(seq.seq_id, [])
-        published = []
-        for i in range(num_full):
-            block_id = table[i]
-            block_hash = seq.block_hashes[i]
-            if block_id == NULL_BLOCK:
-                continue  # freed out of the window (published before, if it could be)
-            if self.block_hash[block_id] is not None or block_hash in self.cached:
-                continue  # already published, or an identical block is: this one stays private
-            self.block_hash[block_id] = block_hash
-            self.cached[block_hash] = block_id
-            published.append(block_id)
+        table = self.req_to_blocks.get(seq_id, [])
+        published: list[int] = []
+        # NOTE: private copies all lie before the first unconsidered entry, so blocks are
+        # visited in table order, as a walk over every full block would visit them.
+        if seq_id in self._recheck:
+            self._recheck.discard(seq_id)
+            for i in self._private.pop(seq_id, ()):
+                self._publish(seq, table, i, published)
+        first = self._num_registered.get(seq_id, 0)
+        for i in range(first, num_full):
+            self._publish(seq, table, i, published)
+        if num_full > first:
+            self._num_registered[seq_id] = num_full
         return published
+
+    def reconsider(self, seq: Sequence) -> None:
+        """Walk all of `seq`'s full blocks again at its next registration: the step that
+        registered some of them failed (`forget` unpublished them). Rare, so a whole walk once."""
+        self._num_registered.pop(seq.seq_id, None)
+        self._private.pop(seq.seq_id, None)  # (stale `_blocked_by` entries cost a retry at most)
+        self._recheck.discard(seq.seq_id)
 
     def forget(self, block_ids: list[int]) -> None:
         """Unpublish blocks whose K/V was never computed (the step that would fill them failed)."""
@@ -162,7 +183,7 @@ class BlockManager:
             if block_hash is not None:
                 self.block_hash[block_id] = None
                 if self.cached.get(block_hash) == block_id:
-                    del self.cached[block_hash]
+                    self._uncache(block_hash)
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -194,12 +215,27 @@ class BlockManager:
                 self.ref_counts[block_id] += 1
         if table:
             self.req_to_blocks[child.seq_id] = table
+        if parent.seq_id in self._num_registered:
+            self._num_registered[child.seq_id] = self._num_registered[parent.seq_id]
+        for i in self._private.get(parent.seq_id, ()):  # shared private copies: the child's too
+            self._private.setdefault(child.seq_id, []).append(i)
+            self._blocked_by.setdefault(child.block_hashes[i], set()).add(child.seq_id)
+        if parent.seq_id in self._recheck:
+            self._recheck.add(child.seq_id)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the head of a prefix (shared most often) is evicted last.
         for block_id in reversed(self.req_to_blocks.pop(seq.seq_id, ())):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
+        self._num_registered.pop(seq.seq_id, None)
+        self._recheck.discard(seq.seq_id)
+        for i in self._private.pop(seq.seq_id, ()):
+            waiting = self._blocked_by.get(seq.block_hashes[i])
+            if waiting is not None:
+                waiting.discard(seq.seq_id)
+                if not waiting:
+                    del self._blocked_by[seq.block_hashes[i]]
 
     def free_out_of_window(self, seq: Sequence) -> int:
         """Release `seq`'s blocks that lie entirely before the window of its next query
@@ -221,6 +257,28 @@ class BlockManager:
         return released
 
     # ------------------------------------------------------------------ internals
+    def _publish(self, seq: Sequence, table: list[int], index: int, published: list[int]) -> None:
+        """Publish the full block at `index` of `seq`'s table, unless it is (or an identical
+        block is) published already: then it stays private until that key leaves the cache."""
+        block_id = table[index]
+        if block_id == NULL_BLOCK or self.block_hash[block_id] is not None:
+            return  # freed out of the window, or published (by this sequence or a fork)
+        block_hash = seq.block_hashes[index]
+        if block_hash in self.cached:
+            self._private.setdefault(seq.seq_id, []).append(index)
+            self._blocked_by.setdefault(block_hash, set()).add(seq.seq_id)
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        published.append(block_id)
+
+    def _uncache(self, block_hash: bytes) -> None:
+        """`block_hash` leaves the cache: private copies of it may be published again."""
+        del self.cached[block_hash]
+        waiting = self._blocked_by.pop(block_hash, None)
+        if waiting:
+            self._recheck |= waiting
+
     def _first_write_is_shared(self, seq: Sequence) -> bool:
         idx = seq.num_computed_tokens // self.block_size
         table = self.req_to_blocks.get(seq.seq_id, ())
@@ -239,7 +297,7 @@ class BlockManager:
         if old_hash is not None:  # evict
             self.block_hash[block_id] = None
             if self.cached.get(old_hash) == block_id:
-                del self.cached[old_hash]
+                self._uncache(old_hash)
         self.ref_counts[block_id] = 1
         return block_id
 

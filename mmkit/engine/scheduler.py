@@ -18,7 +18,6 @@ forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPl
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +25,7 @@ from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
+from mmkit.engine.seq_queue import SeqQueue
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.engine.block_hashes import update_block_hashes
 from mmkit.engine.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
@@ -92,8 +92,9 @@ class Scheduler:
         self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
                                         config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        # Ordered sets: a finished, aborted or preempted sequence leaves in O(1).
+        self._waiting = SeqQueue()
+        self._running = SeqQueue()
         self.num_preemptions = 0
         self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._known_to_runner: set[int] = set()  # seq ids the runner holds a state for
@@ -105,6 +106,22 @@ class Scheduler:
         self.preprocess = preprocess
 
     # ------------------------------------------------------------------ queue management
+    @property
+    def waiting(self) -> SeqQueue:
+        return self._waiting
+
+    @waiting.setter
+    def waiting(self, seqs) -> None:
+        self._waiting = SeqQueue(seqs)
+
+    @property
+    def running(self) -> SeqQueue:
+        return self._running
+
+    @running.setter
+    def running(self, seqs) -> None:
+        self._running = SeqQueue(seqs)
+
     def add_request(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group
         # Only the first sequence is prefilled; the others fork from it (see Sequence).
@@ -153,14 +170,17 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         self.encoder.start_step()
         scheduled_ids: set[int] = set()
-        i = 0
-        while i < len(self.running) and token_budget > 0:
-            seq = self.running[i]
+        # NOTE: preemption takes victims from the tail of `running`, so a sequence of this
+        # snapshot that no longer runs comes after every one that still does.
+        for seq in list(self.running):
+            if token_budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
             num_new = seq.num_tokens_whole_spans(seq.num_computed_tokens,
                                                  min(seq.num_tokens - seq.num_computed_tokens, token_budget))
             if not self._make_room(seq, num_new, plan, scheduled_ids):
-                continue  # `seq` itself was preempted or finished; running[i] is the next one
-            i += 1
+                continue  # `seq` itself was preempted or finished
             num_new = self.encoder.schedule(seq, seq.num_computed_tokens, num_new, plan.encoder_inputs)
             if num_new == 0:
                 continue  # waits for room in the encoder cache or budget
@@ -346,6 +366,8 @@ class Scheduler:
         if plan is None:
             return
         self.block_manager.forget(plan.published_blocks)
+        for s in plan.scheduled:  # their blocks are registered again when computed
+            self.block_manager.reconsider(s.seq)
         self.encoder_cache.forget([e.key for e in plan.encoder_inputs])
         self.encoder_cache.requeue_freed(sched.free_encoder_keys)
         self._finished_seq_ids |= sched.finished_seq_ids

@@ -173,20 +173,25 @@ def _window_view(tables: list[list[int]], lens: list[int], window: int, block_si
 
 
 def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]], context_lens: list[int],
-                          block_size: int, device: torch.device) -> None:
+                          block_size: int, device: torch.device, block_ids: torch.Tensor | None = None) -> None:
     """Fill the decode fields of `meta` for one decode token per sequence.
 
     `block_tables[i]` holds sequence i's blocks; `context_lens[i]` counts its tokens including
     the new one. Only live blocks are listed (padded to the longest with block 0).
+    `block_ids`: those lists already flattened, [num_decodes * max live blocks] int64 on the
+    CPU (the runner gathers them from its persistent tables, `worker/block_table.py`); without
+    it they are flattened here, O(every block of the batch) in Python.
     """
     live = [-(-n // block_size) for n in context_lens]
     width = max(live)
-    flat: list[int] = []
-    for table, n in zip(block_tables, live):
-        flat.extend(table[:n])
-        flat.extend([0] * (width - n))  # block 0 as filler; masked below
+    if block_ids is None:
+        flat: list[int] = []
+        for table, n in zip(block_tables, live):
+            flat.extend(table[:n])
+            flat.extend([0] * (width - n))  # block 0 as filler; masked below
+        block_ids = torch.tensor(flat, dtype=torch.long)
     meta.num_decode_tokens = len(block_tables)
-    meta.decode_block_ids = _long_tensor(flat, device)
+    meta.decode_block_ids = _to_device(block_ids, device)
     meta.decode_max_blocks = width
     meta.decode_context_lens = _long_tensor(context_lens, device)
     meta.decode_needs_mask = min(context_lens) < width * block_size
@@ -197,7 +202,10 @@ def build_decode_metadata(meta: AttentionMetadata, block_tables: list[list[int]]
 
 
 def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=torch.long)
+    return _to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor

@@ -63,7 +63,9 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """w' [N, K] in `dtype`: the C kernel on CPU for float32/bf16 (one pass, all threads,
     bit-identical to `QuantizedWeight.dequantize`), else the torch formula."""
     fn = _kernel("mmkit_quant_dequantize") if w.qweight.device.type == "cpu" and dtype in _KERNEL_DTYPES else None
-    if fn is None:
+    # NOTE: the C pass walks packed int4 in whole 32-column blocks of one group each; smaller or
+    # straddling groups (compressed-tensors' group size 16) take the torch formula.
+    if fn is None or (w.bits == 4 and w.group_size % 32 != 0):
         return w.dequantize(dtype)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype)
     zeros = w.zeros.data_ptr() if w.zeros is not None else None

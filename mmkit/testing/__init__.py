@@ -14,6 +14,7 @@ architecture name, and each family module's builder takes its own keyword option
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,25 @@ def tiny_architectures() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def build_tiny_checkpoint(architecture: str, out_dir: str | Path, **kwargs: Any) -> Path:
+def build_tiny_checkpoint(architecture: str, out_dir: str | Path, *, text_tie_word_embeddings: bool | None = None,
+                          **kwargs: Any) -> Path:
     """Save a tiny random checkpoint of `architecture` (HF `architectures[0]`) into `out_dir`
-    and return its path; `kwargs` go to the family's builder (seed, layer counts, ...)."""
+    and return its path; `kwargs` go to the family's builder (seed, layer counts, ...).
+    `text_tie_word_embeddings` then writes that flag into the saved `text_config` whatever the
+    top-level one says: the two levels set differently, as checkpoints in the wild have them
+    (transformers reads the top level; some config classes copy a true text flag up)."""
     if architecture not in _BUILDERS:
         raise ValueError(f"architecture {architecture!r} has no tiny builder; available: "
                          f"{tiny_architectures()}")
     module, builder, defaults = _BUILDERS[architecture]
     fn = getattr(importlib.import_module(f"mmkit.testing.{module}"), builder)
-    return fn(out_dir, **{**defaults, **kwargs})
+    path = fn(out_dir, **{**defaults, **kwargs})
+    if text_tie_word_embeddings is not None:
+        config_file = Path(path) / "config.json"
+        config = json.loads(config_file.read_text())
+        config.setdefault("text_config", {})["tie_word_embeddings"] = text_tie_word_embeddings
+        config_file.write_text(json.dumps(config, indent=2))
+    return path
 
 
 def __getattr__(name: str) -> Any:

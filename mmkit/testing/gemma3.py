@@ -24,6 +24,15 @@ CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# The parity tests' second configuration (tests/models/gemma3/test_gemma3_second_config.py):
+# 3 heads on 1 KV head (GQA ratio 3) of head_dim 40 (!= hidden / heads), query_pre_attn_scalar 32,
+# 4 layers with every third global and a 24-token window the prompts outgrow, unscaled global
+# rotary, final logit soft-capping, 4 soft tokens per image, tied embeddings (both config
+# levels), no BOS token; init_std 0.02 (at 0.2 the tied head's argmax is one token whatever the prompt).
+SECOND_CONFIGS = {"Gemma3ForConditionalGeneration": dict(
+    hidden=72, num_heads=3, num_kv_heads=1, head_dim=40, text_layers=4, sliding_window_pattern=3, sliding_window=24,
+    rope_scaling_factor=None, final_logit_softcapping=30.0, query_pre_attn_scalar=32, mm_tokens_per_image=4,
+    init_std=0.02, tie_word_embeddings=True, text_tie_word_embeddings=False, add_bos=False)}
 
 
 def build_tiny_gemma3(out_dir: str | Path, *, seed: int = 0, text_layers: int = 3, hidden: int = 64,
@@ -32,19 +41,20 @@ def build_tiny_gemma3(out_dir: str | Path, *, seed: int = 0, text_layers: int = 
                       sliding_window_pattern: int = 2, rope_scaling_factor: float | None = 2.0,
                       final_logit_softcapping: float | None = None, query_pre_attn_scalar: int = 24,
                       max_position_embeddings: int = 1024, init_std: float = 0.2,
-                      tie_word_embeddings: bool = False) -> Path:
+                      tie_word_embeddings: bool = False, add_bos: bool = True) -> Path:
     """Save a random Gemma3ForConditionalGeneration with its Gemma3Processor. Every
     `sliding_window_pattern`-th layer is global (the others slide over `sliding_window` tokens);
     the global layers' rotary is scaled linearly by `rope_scaling_factor` (None: unscaled) with
     base 1e6, the local ones use base 1e4 (released checkpoints tie the LM head to the
     embeddings; untied random weights give livelier greedy text). An image (or pan-and-scan
     crop) is resized to `image_size` square and gives `mm_tokens_per_image` soft tokens
-    (patches average-pooled)."""
+    (patches average-pooled). `add_bos=False`: a tokenizer without BOS."""
     import transformers as tf
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, special_tokens=SPECIAL_TOKENS, extra_special_tokens=IMAGE_TOKENS)
+    tokenizer = build_tokenizer(out, special_tokens=SPECIAL_TOKENS, extra_special_tokens=IMAGE_TOKENS,
+                                add_bos=add_bos)
     layer_types = ["full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
                    for i in range(text_layers)]
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

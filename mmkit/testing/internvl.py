@@ -20,15 +20,22 @@ CHAT_TEMPLATE = (
     "<IMG_CONTEXT>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The parity tests' second configuration (tests/models/internvl/test_internvl_second_config.py):
+# 3 heads on 1 KV head (GQA ratio 3) of head_dim 40, 3 layers, 48 px tiles (9 tokens each), tied
+# embeddings (both config levels), no BOS token (as the real InternVL3.5 tokenizers).
+SECOND_CONFIGS = {"InternVLForConditionalGeneration": dict(
+    text_type="qwen3", num_heads=3, num_kv_heads=1, head_dim=40, text_layers=3, tile_size=48,
+    tie_word_embeddings=True, text_tie_word_embeddings=False, add_bos=False)}
 
 
 def build_tiny_internvl(out_dir: str | Path, *, seed: int = 0, text_type: str = "qwen3", text_layers: int = 2,
                         hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                         tile_size: int = 32, patch_size: int = 8, max_patches: int = 6,
                         tie_word_embeddings: bool = False, vocab_size: int = 384, init_std: float = 0.08,
-                        max_position_embeddings: int = 1024) -> Path:
+                        max_position_embeddings: int = 1024, add_bos: bool = True) -> Path:
     """Save a random InternVL (a 2-layer InternViT on `tile_size` tiles, downsample 0.5) with its
-    processor; `text_type` is "qwen2" or "qwen3". Each tile gives (tile/patch)^2 / 4 tokens."""
+    processor; `text_type` is "qwen2" or "qwen3". Each tile gives (tile/patch)^2 / 4 tokens.
+    `add_bos=False`: a tokenizer without BOS (the real InternVL3.5 ones have none)."""
     from transformers import (GenerationConfig, GotOcr2ImageProcessor, InternVLConfig,
                               InternVLForConditionalGeneration, InternVLProcessor, InternVLVideoProcessor,
                               InternVLVisionConfig)
@@ -36,7 +43,7 @@ def build_tiny_internvl(out_dir: str | Path, *, seed: int = 0, text_type: str = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", *INTERNVL_SPECIAL.values()]
-    tokenizer = build_tokenizer(out, vocab_size, specials, INTERNVL_SPECIAL)
+    tokenizer = build_tokenizer(out, vocab_size, specials, INTERNVL_SPECIAL, add_bos=add_bos)
     image_token_id = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
     vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   image_size=[tile_size, tile_size], patch_size=[patch_size, patch_size],

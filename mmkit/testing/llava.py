@@ -26,6 +26,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
+# The parity tests' second configuration (tests/models/llava/test_llava_second_config.py): it
+# differs from the default in every dimension the builder allows: decoder (Qwen3: q/k norms),
+# tower (SigLIP, every row), two feature layers, 3 heads on 1 KV head (GQA ratio 3) of head_dim
+# 24 (heads * head_dim != hidden), 3 layers, rope_theta, tied embeddings (both config levels),
+# no BOS token; init_std 0.2 (at 0.08 the tied head repeats one token on some releases).
+SECOND_CONFIGS = {"LlavaForConditionalGeneration": dict(
+    text_type="qwen3", vision_type="siglip", select_strategy="full", vision_feature_layer=[-2, -1], num_heads=3,
+    num_kv_heads=1, head_dim=24, text_layers=3, intermediate=100, image_size=48, rope_theta=500000.0,
+    init_std=0.2, tie_word_embeddings=True, text_tie_word_embeddings=False, add_bos=False)}
+
 _CORPUS = [
     "USER: What is in the image? ASSISTANT: A red circle on a white background.",
     "Describe the picture in detail, please. The quick brown fox jumps over the lazy dog.",
@@ -37,9 +47,10 @@ _CORPUS = [
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 384, special_tokens: list[str] | None = None,
-                    extra_special_tokens: dict[str, str] | None = None):
+                    extra_special_tokens: dict[str, str] | None = None, add_bos: bool = True):
     """A byte-level BPE trained on a small corpus; `special_tokens` (default LLaVA's) come first
-    and `extra_special_tokens` become the tokenizer's named attributes (e.g. `image_token`)."""
+    and `extra_special_tokens` become the tokenizer's named attributes (e.g. `image_token`).
+    `add_bos=False`: a tokenizer without a BOS token (none set, none prepended; Qwen's kind)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,10 +60,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, special_tokens: list[s
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens or SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    if add_bos:
+        bos = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>" if add_bos else None, eos_token="</s>",
                                    unk_token="<unk>", pad_token="<pad>",
                                    extra_special_tokens=extra_special_tokens or {"image_token": "<image>"})
     fast.save_pretrained(out_dir)
@@ -93,16 +105,17 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, num_kv_heads: int = 
                      text_type: str = "llama", vision_type: str = "clip",
                      vision_feature_layer: int | list[int] = -2, select_strategy: str = "default",
                      sliding_window: int | None = None, rope_theta: float = 10000.0,
-                     head_dim: int | None = None) -> Path:
+                     head_dim: int | None = None, add_bos: bool = True) -> Path:
     """Save a random LLaVA (CLIP/SigLIP tower + projector + Llama/Mistral/Qwen2/Qwen3 decoder)
-    with its processor. `head_dim` (default hidden / heads) need not be hidden / heads."""
+    with its processor. `head_dim` (default hidden / heads) need not be hidden / heads;
+    `add_bos=False` builds a tokenizer without BOS."""
     from transformers import (GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaProcessor)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
-        tokenizer = build_tokenizer(out, vocab_size)
+        tokenizer = build_tokenizer(out, vocab_size, add_bos=add_bos)
     else:
         tokenizer.save_pretrained(out)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")

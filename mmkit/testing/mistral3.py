@@ -19,21 +19,31 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{{ part['text'] }}{% endfor %}{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
 )
+# The parity tests' second configuration (tests/models/mistral3/test_mistral3_second_config.py):
+# 3 heads on 1 KV head (GQA ratio 3) of head_dim 40 (!= hidden / heads), 3 layers, a 24-token
+# sliding window the prompts outgrow, the tower's second-to-last layer, tied embeddings (both
+# config levels), no BOS token. (A list of feature layers is no option: transformers' own
+# Mistral 3 projector norm then has the wrong width.)
+SECOND_CONFIGS = {"Mistral3ForConditionalGeneration": dict(
+    hidden=72, num_heads=3, num_kv_heads=1, head_dim=40, text_layers=3, sliding_window=24, vision_feature_layer=-2,
+    tie_word_embeddings=True, text_tie_word_embeddings=False, add_bos=False)}
 
 
 def build_tiny_mistral3(out_dir: str | Path, *, seed: int = 0, text_layers: int = 2, hidden: int = 64,
                         num_heads: int = 4, num_kv_heads: int = 2, patch_size: int = 8, longest_edge: int = 96,
                         sliding_window: int | None = None, max_position_embeddings: int = 1024,
                         vision_feature_layer: int | list[int] = -1, init_std: float = 0.08,
-                        tie_word_embeddings: bool = False) -> Path:
+                        tie_word_embeddings: bool = False, head_dim: int | None = None,
+                        add_bos: bool = True) -> Path:
     """Save a random Mistral3ForConditionalGeneration with its PixtralProcessor. Images are
     resized to at most `longest_edge` pixels and merged 2x2, so a token covers 2 * patch_size
-    pixels square; `sliding_window` sets the decoder's window (None: full attention)."""
+    pixels square; `sliding_window` sets the decoder's window (None: full attention); `head_dim`
+    (default hidden / heads) need not be hidden / heads; `add_bos=False`: a tokenizer without BOS."""
     import transformers as tf
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    tokenizer = build_tokenizer(out, add_bos=add_bos)
     tokenizer.add_tokens(IMAGE_TOKENS, special_tokens=True)
     tokenizer.save_pretrained(out)
     vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -41,7 +51,7 @@ def build_tiny_mistral3(out_dir: str | Path, *, seed: int = 0, text_layers: int 
                                     initializer_range=init_std)
     text = tf.MistralConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
                             num_hidden_layers=text_layers, num_attention_heads=num_heads,
-                            num_key_value_heads=num_kv_heads, head_dim=hidden // num_heads,
+                            num_key_value_heads=num_kv_heads, head_dim=head_dim or hidden // num_heads,
                             max_position_embeddings=max_position_embeddings, sliding_window=sliding_window,
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=tokenizer.pad_token_id, initializer_range=init_std,

@@ -33,6 +33,15 @@ _CORPUS = [
     "Describe this video. A ball rolls from left to right, then stops near the wall.",
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" the a an of to in is it that",
 ]
+# The parity tests' second configuration (tests/models/qwen2_vl/test_qwen2_vl_second_config.py):
+# 3 heads on 1 KV head (GQA ratio 3) of head_dim 24, uneven M-RoPE sections (2, 4, 6), 3 layers,
+# a 3-block tower with 3 heads, tied embeddings (both config levels). (Qwen's tokenizer has no
+# BOS token in either configuration.)
+SECOND_CONFIGS = {arch: dict(version=version, hidden=72, num_heads=3, num_kv_heads=1, mrope_section=[2, 4, 6],
+                             text_layers=3, vision_depth=3, vision_dim=48, vision_heads=3, vision_mlp_ratio=3,
+                             tie_word_embeddings=True, text_tie_word_embeddings=False)
+                  for arch, version in (("Qwen2VLForConditionalGeneration", "2"),
+                                        ("Qwen2_5_VLForConditionalGeneration", "2.5"))}
 
 
 def build_qwen_tokenizer(out_dir: Path, vocab_size: int = 320):

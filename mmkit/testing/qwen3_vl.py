@@ -16,6 +16,20 @@ import torch
 from mmkit.testing.checkpoint_io import read_checkpoint, save_sharded
 from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer
 
+# The parity tests' second configuration (tests/models/qwen3_vl/test_qwen3_vl_second_config.py):
+# head_dim 40 (interleaved M-RoPE sections 8, 6, 6 instead of 4, 4, 4), 3 heads on 1 KV head
+# (GQA ratio 3), 4 layers, DeepStack into layers 1 and 2, a 2-head tower, tied embeddings (both
+# config levels); MoE in alternate layers (decoder_sparse_step 2, no mlp_only_layers), 6
+# experts, 3 per token; init_std 0.2 (at 0.08 the tied head repeats one token). (Qwen's tokenizer
+# has no BOS token in either configuration.)
+_SECOND = dict(hidden=48, num_heads=3, num_kv_heads=1, head_dim=40, mrope_section=[8, 6, 6], text_layers=4,
+               deepstack_visual_indexes=(1, 2), vision_heads=2, init_std=0.2, tie_word_embeddings=True, text_tie_word_embeddings=False)
+SECOND_CONFIGS = {
+    "Qwen3VLForConditionalGeneration": dict(moe=False, **_SECOND),
+    "Qwen3VLMoeForConditionalGeneration": dict(moe=True, decoder_sparse_step=2, mlp_only_layers=(), num_experts=6,
+                                               num_experts_per_tok=3, **_SECOND),
+}
+
 
 def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False, text_layers: int = 3,
                         hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 24,
@@ -26,8 +40,11 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
                         tie_word_embeddings: bool = False, max_position_embeddings: int = 2048,
                         init_std: float = 0.08, intermediate: int | None = None, vision_heads: int = 4,
                         vision_intermediate: int | None = None, num_position_embeddings: int = 64,
-                        mrope_section: list[int] | None = None, tokenizer=None) -> Path:
+                        mrope_section: list[int] | None = None, decoder_sparse_step: int = 1,
+                        tokenizer=None) -> Path:
     """Save a random Qwen3-VL (`moe=False`) or Qwen3-VL-MoE (`moe=True`) with its processor.
+    A layer has experts unless it is in `mlp_only_layers` or (index + 1) is no multiple of
+    `decoder_sparse_step`.
 
     One image token covers (2 * patch_size)^2 pixels; min/max_pixels bound the resized image;
     the video processor samples `video_fps` frames per second of clip."""
@@ -52,7 +69,7 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
                 tie_word_embeddings=tie_word_embeddings)
     if moe:
         text.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=hidden // 2 - 8,
-                    decoder_sparse_step=1, mlp_only_layers=list(mlp_only_layers))
+                    decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers))
     vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_intermediate or vision_dim * 2,
                   num_heads=vision_heads, out_hidden_size=hidden, patch_size=patch_size, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=num_position_embeddings, deepstack_visual_indexes=list(deepstack_visual_indexes),

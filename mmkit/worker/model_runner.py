@@ -20,6 +20,7 @@ from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
+from mmkit.worker.block_table import BlockTables
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
 from mmkit.worker.model_loader import load_model
@@ -56,9 +57,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
+        self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        self._init_batch_state()
+
+    def _init_batch_state(self) -> None:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
         self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
-        self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        # Every state's block table again, as rows of one tensor: decode metadata is a gather.
+        self.block_tables = BlockTables()
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -123,9 +129,11 @@ class ModelRunner:
         return ModelRunnerOutput([s.seq_id for s in sampled], out, row_counts, prompt_lp)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        tables = self.block_tables
         for seq_id in sched.finished_seq_ids:
             self.states.pop(seq_id, None)
             self._fork_generators.pop(seq_id, None)
+            tables.remove(seq_id)
         for d in sched.new_seqs:
             old = self.states.get(d.seq_id)
             generator = old.generator if old is not None else self._fork_generators.pop(d.seq_id, None)
@@ -137,6 +145,7 @@ class ModelRunner:
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
                 bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks))
+            tables.set_table(d.seq_id, d.block_ids)
             if old is not None:  # a rebuild: per-sequence sampler objects carry over
                 state.sampler_state = old.sampler_state
             else:
@@ -146,7 +155,9 @@ class ModelRunner:
             state = self.states[c.seq_id]
             for index, block_id in c.replaced_blocks:
                 state.block_table[index] = block_id
+                tables.replace(c.seq_id, index, block_id)
             state.block_table.extend(c.new_block_ids)
+            tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
 
     def _make_generator(self, seed: int) -> torch.Generator:
@@ -178,6 +189,7 @@ class ModelRunner:
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_seq_ids: list[int] = []
         prefills: list[PrefillChunk] = []
         for c in order:
             state = c.state
@@ -189,17 +201,20 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_lens.append(end)
+                decode_seq_ids.append(state.seq_id)
                 continue
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             spans = tuple((lo, lo + n) for lo, n in state.bidirectional_ranges if lo < end and lo + n > start)
             prefills.append(PrefillChunk(len(ids) - (end - start), end - start, end,
-                                         torch.tensor(table, dtype=torch.long).to(self.device), spans))
+                                         self.block_tables.row(state.seq_id).clone().to(self.device), spans))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=_to_device(slots, dev), prefills=prefills, block_size=bs)
         if decode_tables:
-            build_decode_metadata(meta, decode_tables, decode_lens, bs, dev)
+            # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
+            block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
+            build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items

@@ -3,6 +3,7 @@
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,6 +22,14 @@ def engine(tiny_ckpt):
 
 async def collect(engine, inputs, params, rid):
     return [out async for out in engine.generate(inputs, params, rid)]
+
+
+async def wait_until_idle(engine, timeout=60.0):
+    """Let the loop apply the last aborts: poll until nothing is unfinished, up to `timeout` s
+    (a deadline, not a number of tries, so a slow host has the same chance as a fast one)."""
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def test_stream_matches_non_streamed(engine, tiny_ckpt):
@@ -60,10 +69,7 @@ def test_fifty_concurrent_requests_and_early_break(engine):
                                              params, f"req-{i}")) for i in range(50)]
         broke = await early("early")
         results = await asyncio.gather(*tasks)
-        for _ in range(50):
-            if not engine.engine.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.02)
+        await wait_until_idle(engine)
         return broke, results
 
     broke, results = asyncio.run(main())
@@ -76,15 +82,18 @@ def test_fifty_concurrent_requests_and_early_break(engine):
 
 def test_cancel_task_aborts_request(engine):
     async def main():
-        task = asyncio.create_task(collect(engine, "cancel me", SamplingParams(max_tokens=500, ignore_eos=True), "c"))
-        await asyncio.sleep(0.2)
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("cancel me", SamplingParams(max_tokens=500, ignore_eos=True), "c"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), timeout=60)  # in flight: its first token is out
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if not engine.engine.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_idle(engine)
 
     asyncio.run(main())
     assert not engine.engine.has_unfinished_requests()

@@ -14,6 +14,14 @@ TWO = "USER: <image> and <image>\nCompare them. ASSISTANT:"
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
+def wait_for(condition, timeout=60.0):
+    """Poll `condition` until it holds; fail after `timeout` seconds (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -60,7 +68,8 @@ def test_lookahead_bounds_the_work_done_ahead(tiny_ckpt):
     processor.mm_item_inputs = counting
     for i, inp in enumerate(inputs(6)):
         engine.add_request(f"r{i}", inp, GREEDY)
-    time.sleep(0.5)  # let the workers finish what they were given
+    # Let the workers finish what they were given: r0's and r1's images (one each).
+    wait_for(lambda: engine.prefetcher.is_ready("r0") and engine.prefetcher.is_ready("r1"))
     assert state["calls"] == 2  # 8 images queued, only `lookahead` processed ahead
     assert engine.prefetcher.num_in_flight == 2
     max_seen = 0
@@ -219,12 +228,19 @@ def test_idle_step_starts_every_image_it_will_admit(tiny_ckpt):
 
     engine.prefetcher._submit = recording
     slow_process = engine.prefetcher._process
+    original_wait = engine.prefetcher.wait
+    step_waits = threading.Event()
 
-    def slow(item):  # slow workers: the step must wait for them, not admit r0 alone
-        time.sleep(0.2)
+    def slow(item):  # slow workers: none finishes before the step waits for them, on any host
+        assert step_waits.wait(60), "the step never waited for the workers"
         return slow_process(item)
 
+    def waiting(request_id):
+        step_waits.set()
+        return original_wait(request_id)
+
     engine.prefetcher._process = slow
+    engine.prefetcher.wait = waiting
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     batch = [{"prompt": PROMPT, "multi_modal_data": {"image": make_image(i, 40 + i, 30)}} for i in range(4)]
     for i, prompt in enumerate(batch):

@@ -8,7 +8,6 @@ import base64
 import http.server
 import json
 import threading
-import time
 
 import httpx
 import openai
@@ -25,6 +24,11 @@ PNG = RED_CIRCLE.read_bytes()
 MAX_FETCH = 200_000
 
 
+# /slow.png answers only once this is set (at the end of the module), not after a fixed delay
+# that a loaded host could outlast: the server's fetch timeout (1.5 s) always comes first.
+_SLOW_RELEASE = threading.Event()
+
+
 class _ImageHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's name
         port = self.server.server_address[1]
@@ -36,7 +40,7 @@ class _ImageHandler(http.server.BaseHTTPRequestHandler):
             "/text": (200, b"hello, not an image", {}),
         }
         if self.path == "/slow.png":
-            time.sleep(3)
+            _SLOW_RELEASE.wait(300)
         status, body, headers = routes.get(self.path, (404, b"missing", {}))
         self.send_response(status)
         for k, v in headers.items():
@@ -59,6 +63,7 @@ def image_host():
     httpd = _QuietServer(("127.0.0.1", 0), _ImageHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    _SLOW_RELEASE.set()
     httpd.shutdown()
 
 

@@ -221,15 +221,17 @@ def test_stop_ends_the_stream_and_the_server_aborts_the_request(slow_server, pag
     stats = page.get_by_test_id("stats").last
     assert "stopped" in stats.text_content()
     shown = message.text_content()
-    time.sleep(0.5)
-    assert message.text_content() == shown  # nothing arrives after the stop
     assert int(stats.get_attribute("data-tokens")) < max_tokens
 
-    deadline = time.monotonic() + 5
+    # Bounded polling, not a fixed delay: the bound only catches a request that never stops
+    # (the token counts below show it stopped early).
+    deadline = time.monotonic() + 60
     while _metric(server, "mmkit:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "a request still runs 5 s after the stop"
+        assert time.monotonic() < deadline, "a request still runs 60 s after the stop"
         time.sleep(0.1)
     assert _metric(server, "mmkit:num_requests_waiting") == 0
+    # The server generates nothing more for it, and nothing arrived on the page after the stop.
+    assert message.text_content() == shown
     # The server stopped generating: far fewer tokens than the request asked for.
     assert _metric(server, "mmkit:generation_tokens") - generated_before < max_tokens
 
