@@ -23,8 +23,7 @@ in `LD_PRELOAD`, and `VLLM_USE_AOT_COMPILE=0` so that its compiled model is cach
 children (start-up only; see `vllm_env`); mmkit with its defaults (`import mmkit` sets
 OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT). Both: `max_num_seqs` 128, `max_model_len` 2048,
 a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (4 unless set) committed at start-up: vLLM zeroes its
-whole cache when it loads, and mmkit does the same with `kv_cache_preallocate=True` (README,
-Engine arguments). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, whose page
+whole cache when it loads, and mmkit does the same with `kv_cache_preallocate=True` (docs/engine_args.md). `--mmkit-lazy-kv` runs mmkit with its lazy default instead, whose page
 faults fall inside the timed passes. A greedy parity gate (the same 4 requests through both)
 runs in every child before timing; float32 must agree exactly.
 `../shared/peers/setup_vllm_cpu.sh` sets vLLM-CPU up in its own venv.

@@ -71,7 +71,7 @@ def _compressed_tensors_spec(saved: dict) -> QuantizationSpec:
         from compressed_tensors.quantization import QuantizationConfig
     except ImportError as exc:
         raise ValueError("model: this checkpoint is quantized with compressed-tensors; install it with "
-                         "pip install 'mmkit[quant]'") from exc
+                         "from a clone: pip install -e '.[quant]'") from exc
 
     for name, group in (saved.get("config_groups") or {}).items():
         weights = group.get("weights") if isinstance(group, dict) else None

@@ -1,6 +1,6 @@
 """Browser-test harness for the playground page: a real Chromium and a real `mmkit serve` subprocess.
 
-Used by tests/entrypoints/ui/test_ui_browser.py, and as a script that makes the README's screenshot:
+Used by tests/entrypoints/ui/test_ui_browser.py, and as a script that makes docs/serving.md's screenshot:
 
     python tests/ui_harness.py docs/playground.png
 

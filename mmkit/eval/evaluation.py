@@ -265,9 +265,8 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     Images are loaded as items are admitted (at most `max_in_flight` at once), so memory stays
     bounded; an item whose image cannot be loaded is recorded with its error and skipped.
     """
-    from tqdm.auto import tqdm
-
     from mmkit.engine.request_driver import RequestDriver
+    from mmkit.eval.progress import progress_bar
     from mmkit.multimodal.parse import parse_prompt
 
     if retry_errors:
@@ -280,7 +279,7 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     queue = iter(todo)
     exhausted = False
     start = time.perf_counter()
-    bar = tqdm(total=len(todo), desc="Evaluating", unit="item", disable=not show_progress, dynamic_ncols=True)
+    bar = progress_bar(len(todo), "Evaluating", "item", disable=not show_progress)
     try:
         while in_flight or not exhausted:
             while not exhausted and len(in_flight) < window:

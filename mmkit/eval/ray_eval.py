@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import posixpath
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -114,13 +115,16 @@ def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | Non
     """Run the unfinished items on the Ray cluster (already initialized); write each as it arrives."""
     import ray.data
 
+    from mmkit.eval.progress import LineProgress, writes_lines
     from mmkit.ray import build_processor
 
     if retry_errors:
         results.drop({i for i, r in results.records.items() if r.get("error") is not None})
     todo = [it for it in data.items if it.index not in results.records]
     by_index = {it.index: it for it in todo}
-    ray.data.DataContext.get_current().enable_progress_bars = show_progress
+    # NOTE: Ray Data's bars on a terminal; in a log (stderr not a terminal) one plain line now and then.
+    bar = LineProgress(len(todo), "Evaluating", "item", file=sys.stderr) if show_progress and writes_lines() else None
+    ray.data.DataContext.get_current().enable_progress_bars = show_progress and bar is None
     processor = build_processor(model, sampling_params, concurrency=concurrency, batch_size=batch_size,
                                 num_gpus_per_replica=num_gpus_per_replica,
                                 num_cpus_per_replica=num_cpus_per_replica, max_in_flight=max_in_flight,
@@ -141,7 +145,11 @@ def run_ray_evaluation(data: EvalData, results: ResultsFile, *, model: str | Non
                     num_input += row["num_input_tokens"]
                     num_generated += row["num_generated_tokens"]
                 num_done += 1
+                if bar is not None:
+                    bar.update(1)
     finally:
+        if bar is not None:
+            bar.close()
         results.close()
     seconds = time.perf_counter() - start
     rate = max(seconds, 1e-9)

@@ -4,7 +4,7 @@
 which Matroska/WebM files do not store.)
 
 Decoding needs a video reader the ecosystem already uses: PyAV (`pip install av`, or
-`pip install "mmkit[video]"`). Without it a `video_url` that names a file is a clear error;
+`pip install -e ".[video]"` from a clone). Without it a `video_url` that names a file is a clear error;
 a list of frames (PIL images, paths or image URLs) needs no reader.
 """
 
@@ -42,7 +42,7 @@ def load_video(source: Any, *, where: str) -> Any:
         import av
     except ImportError:
         raise ValueError(f"{where}: reading the video file {path!r} needs PyAV; install it with `pip install av` "
-                         "(or `pip install \"mmkit[video]\"`), or pass the frames as a list of images") from None
+                         "(or `pip install -e \".[video]\"` from a clone), or pass the frames as a list of images") from None
     try:
         with av.open(path) as container:
             frames = [torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]

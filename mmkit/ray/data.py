@@ -11,7 +11,7 @@ Each replica is a Ray actor holding one `LLM`; Ray Data streams batches of rows 
 replicas with backpressure, so a dataset larger than memory flows through in bounded memory.
 Images travel as what the row holds (encoded bytes, a path or a URL) and are decoded inside
 the replica, never pickled as PIL images. The row format is described in `mmkit.ray.batch_rows`.
-Needs the `ray` extra: `pip install "mmkit[ray]"`.
+Needs the `ray` extra: `pip install -e ".[ray]"` from a clone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["build_processor", "Processor", "EngineReplica"]
 _ARROW_TYPES = {"generated_text": pa.string(), "generated_tokens": pa.list_(pa.int64()),
                 "finish_reason": pa.string(), "num_input_tokens": pa.int64(),
                 "num_generated_tokens": pa.int64(), "error": pa.string()}
-# Settings every replica needs before torch is imported (see the README's Notes).
+# Settings every replica needs before torch is imported (see docs/speed.md).
 _WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 
 

@@ -10,7 +10,7 @@ The app serves what `mmkit serve` serves (chat, completions, models, tokenize, h
 metrics, streaming, API key, media rules). An ingress deployment reads each request and
 sends it to an engine replica through a DeploymentHandle whose router keeps one image's (or
 prompt prefix's) requests on one replica while it is not overloaded (`serve_router`).
-Needs the `ray-serve` extra: `pip install "mmkit[ray-serve]"`.
+Needs the `ray-serve` extra: `pip install -e ".[ray-serve]"` from a clone.
 """
 
 from __future__ import annotations

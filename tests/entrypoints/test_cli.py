@@ -261,3 +261,65 @@ def test_version_and_a_misspelt_top_level_flag():
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("usage: mmkit [-h] [--version] COMMAND")
     assert "unrecognized arguments: --verison (did you mean --version?)" in out.stderr  # not "COMMAND is required"
+
+
+def test_caption_reports_unreadable_images_and_captions_the_rest(tiny_ckpt, tmp_path):
+    good = [tmp_path / "a.png", tmp_path / "b.png"]
+    for i, path in enumerate(good):
+        make_image(i).save(path)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    missing = tmp_path / "missing.png"
+    out = mmkit("caption", str(good[0]), str(bad), str(good[1]), str(missing), "--model", str(tiny_ckpt),
+                "--max-tokens", "3")
+    assert out.returncode == 1, out.stderr  # some failed: not 0
+    assert "Traceback" not in out.stderr
+    # Every readable image is captioned, in input order.
+    assert [line.split("\t")[0] for line in out.stdout.strip("\n").split("\n")] == [str(p) for p in good]
+    # Each unreadable one is named on stderr with its reason, then a count.
+    errors = [line for line in out.stderr.splitlines() if line.startswith("mmkit caption: error: ")]
+    assert len(errors) == 2 and str(bad) in errors[0] and str(missing) in errors[1], out.stderr
+    assert "does not exist" in errors[1] or "No such file" in errors[1], errors[1]
+    assert f"2 of 4 images could not be read: {bad}, {missing}" in out.stderr
+
+
+def test_sampling_values_are_checked_before_the_model_loads(tiny_ckpt, dataset, tmp_path):
+    make_image(0).save(tmp_path / "0.png")
+    image = str(tmp_path / "0.png")
+    for args, name in ((["ask", image, "Q?", "--temperature", "-1"], "temperature"),
+                       (["caption", image, "--max-tokens", "0"], "max_tokens"),
+                       (["eval", str(dataset), "--output", str(tmp_path / "r.jsonl"), "--top-p", "0"], "top_p")):
+        out = mmkit(*args, "--model", str(tiny_ckpt))
+        assert out.returncode == 2, out.stderr
+        assert f"error: {name}: got " in out.stderr, out.stderr
+        assert "loading" not in out.stderr  # refused before the model load began
+        assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_bare_mmkit_prints_usage_and_the_commands():
+    out = mmkit()
+    # Status 2 on stderr, argparse's convention for an incomplete command line; --help is 0 on stdout.
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("usage: mmkit ")
+    for command, help_text in (("caption", "print one caption per image"), ("ask", "answer a question"),
+                               ("eval", "evaluate a JSONL/CSV dataset"), ("serve", "serve an OpenAI-compatible")):
+        assert any(line.split()[:1] == [command] and help_text in line for line in out.stderr.splitlines()), out.stderr
+
+
+def test_eval_says_it_resumes_and_logs_progress_as_plain_lines(tiny_ckpt, dataset, tmp_path):
+    small = tmp_path / "small.jsonl"
+    rows = [json.loads(line) for line in dataset.read_text().splitlines()][:4]
+    small.write_text("".join(json.dumps(dict(r, image=str(dataset.parent / r["image"]))) + "\n" for r in rows))
+    results = tmp_path / "small_res.jsonl"
+    args = ["eval", str(small), "--output", str(results), "--model", str(tiny_ckpt), "--max-tokens", "2"]
+    out = mmkit(*args)
+    assert out.returncode == 0, out.stderr
+    assert "resuming" not in out.stderr
+    # stderr is a pipe here, as in a log: no bar redraws, a plain line instead.
+    assert "%|" not in out.stderr, out.stderr  # tqdm draws "Evaluating:  50%|█████     | 2/4"
+    assert "Evaluating: 4/4 items (100%)" in out.stderr, out.stderr
+    results.write_text("".join(results.read_text().splitlines(keepends=True)[:3]))
+    out = mmkit(*args)
+    assert out.returncode == 0, out.stderr
+    assert f"mmkit eval: resuming: 3 of 4 already done (in {results})" in out.stderr.splitlines()
+    assert "Evaluating: 1/1 item (100%)" in out.stderr, out.stderr

@@ -159,7 +159,7 @@ def test_eval_ray_resumes_after_kill(ray_session, tiny_ckpt, tmp_path):
     assert all(final[i] == first[i] for i in first)
 
 
-def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
+def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path, capsys):
     from mmkit.entrypoints.cli.main import main
     from mmkit.eval.evaluation import ResultsFile
     from mmkit.eval.ray_eval import EvalData, run_ray_evaluation
@@ -187,7 +187,9 @@ def test_eval_ray_parquet_with_image_bytes(ray_session, tiny_ckpt, tmp_path):
     summary = run_ray_evaluation(EvalData(str(tmp_path / "data.parquet")), results, model=str(tiny_ckpt),
                                  sampling_params=SamplingParams(temperature=0, max_tokens=4, seed=None),
                                  engine_args={"dtype": "float32"}, concurrency=1, batch_size=4,
-                                 show_progress=False)
+                                 show_progress=True)
+    # stderr is not a terminal here: plain progress lines instead of Ray Data's bars.
+    assert "Evaluating: 10/10 items (100%)" in capsys.readouterr().err
     single, ray_run = read_results(tmp_path / "single.jsonl"), read_results(tmp_path / "pq.jsonl")
     assert sorted(ray_run) == list(range(10)) and summary.num_errors == 1
     for i in range(10):

@@ -16,10 +16,9 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     Unlike `LLM.generate`, nothing waits for the whole batch, so an interrupted run has printed
     every answer finished before it. Every input is validated before any is added.
     """
-    from tqdm.auto import tqdm
-
     from mmkit.engine.request_driver import RequestDriver
     from mmkit.errors import RequestFailedError
+    from mmkit.eval.progress import progress_bar
     from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
@@ -30,7 +29,7 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     failed: dict[int, BaseException] = {}
     next_shown = 0
     driver = RequestDriver(engine)  # the one request driver and failure policy
-    bar = tqdm(total=len(ids), desc="Captioning", unit="image", disable=not show_progress, dynamic_ncols=True)
+    bar = progress_bar(len(ids), "Captioning", "image", disable=not show_progress)
     try:
         for rid, (processed, sp) in zip(ids, ready):
             driver.add(rid, processed, sp, final_only=True)

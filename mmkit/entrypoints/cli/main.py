@@ -3,8 +3,8 @@
     mmkit caption IMAGE [IMAGE ...]
     mmkit ask IMAGE "QUESTION"
     mmkit eval DATA --output RESULTS.jsonl [--ray [--ray-address ADDR] [--concurrency N]]
-    mmkit serve [--model M] [--port 8000]     (OpenAI-compatible server; needs mmkit[serve])
-    mmkit serve ... --ray-serve --num-replicas N   (replicas on Ray Serve; needs mmkit[ray-serve])
+    mmkit serve [--model M] [--port 8000]     (OpenAI-compatible server; needs the serve extra)
+    mmkit serve ... --ray-serve --num-replicas N   (replicas on Ray Serve; needs the ray-serve extra)
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                                                            "whose probabilities add up to P (default 1: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -73,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1/chat/completions, ...)",
                        description="Serve the model over HTTP with OpenAI's API; prints the URL when ready. "
-                                   "Needs the serve extra: pip install 'mmkit[serve]'.")
+                                   "Needs the serve extra (from a clone: pip install -e '.[serve]').")
     add_serve_arguments(p)
     return parser
 
 
 def _ray_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("Ray (pip install 'mmkit[ray]')",
+    g = parser.add_argument_group("Ray (from a clone: pip install -e '.[ray]')",
                                   "Run the items over Ray Data, one engine replica per actor; DATA may also be "
                                   "Parquet and any URI pyarrow reads (s3://, gs://, ...).")
     g.add_argument("--ray", action="store_true", help="run over Ray (a local Ray unless --ray-address)")
@@ -110,9 +112,11 @@ def _make_llm(args):
 
 
 def _params(args):
+    """The sampling values, checked (a `ValueError` naming the bad one). Called before the model
+    loads, so a typo costs a fraction of a second, not a model load."""
     from mmkit import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                           seed=args.seed if args.temperature > 0 else None)
 
 
@@ -130,50 +134,80 @@ def cmd_caption(args) -> int:
 
     from mmkit.entrypoints.cli.batch import generate_in_order
 
-    images = [load_image(path, where=f"IMAGE {path}") for path in args.images]
-    llm = _make_llm(args)
-    inputs = [question_inputs(llm, img, CAPTION_QUESTION) for img in images]
+    params = _params(args)
+    # An unreadable image is reported (path and reason) and skipped; the others are captioned.
+    paths, images, failed = [], [], []
+    for path in args.images:
+        try:
+            images.append(load_image(path, where=f"IMAGE {path}"))
+            paths.append(path)
+        except ValueError as exc:
+            failed.append(path)
+            print(f"mmkit caption: error: {exc}", file=sys.stderr, flush=True)
+    if images:
+        llm = _make_llm(args)
+        inputs = [question_inputs(llm, img, CAPTION_QUESTION) for img in images]
+        args.num_items, args.num_done = len(images), 0
 
-    args.num_items, args.num_done = len(images), 0
+        def show(i: int, out) -> None:
+            args.num_done += 1
+            text = out.outputs[0].text.strip()
+            print(text if len(args.images) == 1 else f"{paths[i]}\t{text}", flush=True)
 
-    def show(i: int, out) -> None:
-        args.num_done += 1
-        text = out.outputs[0].text.strip()
-        print(text if len(args.images) == 1 else f"{args.images[i]}\t{text}", flush=True)
-
-    # Captions print as they finish (in input order), so a Ctrl-C keeps what is done.
-    generate_in_order(llm, inputs, _params(args), show, show_progress=len(images) > 1 and not args.no_progress)
+        # Captions print as they finish (in input order), so a Ctrl-C keeps what is done.
+        generate_in_order(llm, inputs, params, show, show_progress=len(images) > 1 and not args.no_progress)
+    if failed:
+        print(f"mmkit caption: {len(failed)} of {len(args.images)} images could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_ask(args) -> int:
     from mmkit.multimodal.image_io import load_image
 
+    params = _params(args)
     image = load_image(args.image, where=f"IMAGE {args.image}")
     llm = _make_llm(args)
-    out = llm.generate(question_inputs(llm, image, args.question), _params(args), use_tqdm=False)
+    out = llm.generate(question_inputs(llm, image, args.question), params, use_tqdm=False)
     print(out[0].outputs[0].text.strip())
     return 0
 
 
 def cmd_eval(args) -> int:
+    params = _params(args)
     if args.ray:
-        return cmd_eval_ray(args)
+        return cmd_eval_ray(args, params)
     from mmkit.eval.evaluation import ResultsFile, read_dataset, run_evaluation
     from mmkit.multimodal.image_io import load_image
 
     items = read_dataset(args.data)
     results = ResultsFile(args.output)
     args.num_items = len(items)
+    _say_resuming(args, results, items)
     llm = _make_llm(args)
 
     def build(item):
         image = load_image(item.image_path, where=f"item {item.index} ({item.image})")
         return question_inputs(llm, image, item.question)
 
-    summary = run_evaluation(llm, items, results, build, _params(args), retry_errors=args.retry_errors,
+    summary = run_evaluation(llm, items, results, build, params, retry_errors=args.retry_errors,
                              show_progress=not args.no_progress, max_in_flight=args.max_in_flight)
     return _write_summary(args, summary)
+
+
+def _say_resuming(args, results, items) -> None:
+    """`resuming: N of M already done` when the results file holds some of these items."""
+    indices = {it.index for it in items}
+    done = [r for i, r in results.records.items() if i in indices]
+    if not done:
+        return
+    num_errors = sum(1 for r in done if r.get("error") is not None)
+    num_done = len(done) - (num_errors if args.retry_errors else 0)
+    line = f"mmkit eval: resuming: {num_done} of {len(items)} already done (in {args.output})"
+    if args.retry_errors and num_errors:
+        line += f"; retrying {num_errors} recorded with an error"
+    print(line, file=sys.stderr, flush=True)
 
 
 def _write_summary(args, summary) -> int:
@@ -210,7 +244,7 @@ def cmd_serve(args) -> int:
         if (exc.name or "").split(".")[0] not in ("fastapi", "uvicorn", "pydantic", "prometheus_client",
                                                    "starlette"):
             raise
-        print(f"mmkit serve: error: {exc}; install the server's packages: pip install 'mmkit[serve]'",
+        print(f"mmkit serve: error: {exc}; install the server's packages (from a clone): pip install -e '.[serve]'",
               file=sys.stderr)
         return 2
     return run_server(args)
@@ -218,23 +252,29 @@ def cmd_serve(args) -> int:
 
 def _serve_on_ray(args) -> int:
     try:
+        from mmkit.ray.cluster import RayStartError
         from mmkit.ray.serve_cli import run_ray_serve
     except ImportError as exc:
-        raise ValueError(f"--ray-serve: needs the ray-serve extra ({exc}); pip install 'mmkit[ray-serve]'") from exc
-    return run_ray_serve(args)
-
-
-def cmd_eval_ray(args) -> int:
+        raise ValueError(f"--ray-serve: needs the ray-serve extra ({exc}); from a clone: pip install -e '.[ray-serve]'") from exc
     try:
-        from mmkit.ray import init_ray
+        return run_ray_serve(args)
+    except RayStartError as exc:  # one line, not Ray's traceback
+        print(f"mmkit serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_eval_ray(args, params) -> int:
+    try:
+        from mmkit.ray.cluster import RayStartError, init_ray
         from mmkit.eval.ray_eval import EvalData, run_ray_evaluation
     except ImportError as exc:
-        raise ValueError(f"--ray: needs the ray extra ({exc}); pip install 'mmkit[ray]'") from exc
+        raise ValueError(f"--ray: needs the ray extra ({exc}); from a clone: pip install -e '.[ray]'") from exc
     from mmkit.eval.evaluation import ResultsFile
 
     data = EvalData(args.data)
     results = ResultsFile(args.output)
     args.num_items = len(data.items)
+    _say_resuming(args, results, data.items)
     cpus = args.num_cpus_per_replica or 1
     # NOTE: the driver needs torch only to validate the engine arguments; importing it on a
     # thread while Ray starts its own processes takes ~1.5 s off the run's critical path.
@@ -242,11 +282,15 @@ def cmd_eval_ray(args) -> int:
     warm.start()
     # NOTE: replicas hold their CPUs for the whole run; one more logical CPU keeps Ray Data's
     # own small tasks schedulable on a machine whose cores the replicas take.
-    init_ray(args.ray_address, num_cpus=max(os.cpu_count() or 1, int(args.concurrency * cpus + 0.999) + 1))
+    try:
+        init_ray(args.ray_address, num_cpus=max(os.cpu_count() or 1, int(args.concurrency * cpus + 0.999) + 1))
+    except RayStartError as exc:  # one line, not Ray's traceback
+        print(f"mmkit eval: error: {exc}", file=sys.stderr)
+        return 1
     warm.join()
     try:
         summary = run_ray_evaluation(
-            data, results, model=args.model, sampling_params=_params(args),
+            data, results, model=args.model, sampling_params=params,
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
                          "quantization": args.quantization},
             concurrency=args.concurrency, batch_size=args.batch_size,
@@ -260,7 +304,14 @@ def cmd_eval_ray(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        # NOTE: bare `mmkit` is an incomplete command line, not a request for help: the usage and
+        # the list of commands go to stderr with status 2, argparse's status for a usage error
+        # (`mmkit --help` prints the same to stdout with status 0).
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     handler = {"caption": cmd_caption, "ask": cmd_ask, "eval": cmd_eval, "serve": cmd_serve}[args.command]
     try:
         return handler(args)

@@ -66,7 +66,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ui", dest="enable_ui", action="store_false", help="do not serve the playground at /")
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
-    g = parser.add_argument_group("Ray Serve (pip install 'mmkit[ray-serve]')",
+    g = parser.add_argument_group("Ray Serve (from a clone: pip install -e '.[ray-serve]')",
                                   "Serve the same API from engine replicas on Ray Serve, behind one endpoint at "
                                   "--host/--port; requests about one image stay on one replica.")
     g.add_argument("--ray-serve", action="store_true", help="run on Ray Serve (a local Ray unless --ray-address)")

@@ -22,6 +22,7 @@ const state = {
   model: null,          // the served model's id, from GET /v1/models
   apiKey: readStoredKey(),
   messages: [],         // the conversation in OpenAI form, only turns the server answered
+  fileNames: [],        // per message: the name of the file its image came from (null: none)
   controller: null,     // AbortController of the answer being streamed
   chatId: 0,            // bumped by "New chat": a late answer of an old chat is dropped
 };
@@ -41,6 +42,19 @@ function storeKey(key) {
 function showError(message) {
   el.error.textContent = message;
   el.error.hidden = false;
+}
+
+// The server names a part of the request by its place in it (`messages[4].content[0]: ...`);
+// the user knows that part as the file they attached: name the file instead.
+function nameAttachments(message, messages, fileNames) {
+  return message.replace(/messages\[(\d+)\]\.content\[(\d+)\](?:\.image_url(?:\.url)?)?/g, (where, m, p) => {
+    const msg = messages[Number(m)];
+    const part = msg && Array.isArray(msg.content) ? msg.content[Number(p)] : null;
+    const name = fileNames[Number(m)];
+    if (!part || part.type !== "image_url" || !name) return where;
+    const turn = Math.floor(Number(m) / 2) + 1;  // user and assistant messages alternate
+    return "the attached file \"" + name + "\"" + (Number(m) === messages.length - 1 ? "" : " (question " + turn + ")");
+  });
 }
 
 function clearError() {
@@ -187,6 +201,7 @@ function newChat() {
   if (state.controller) state.controller.abort();
   state.chatId += 1;
   state.messages = [];
+  state.fileNames = [];
   state.controller = null;
   setStreaming(false);
   attachment.clear();
@@ -305,13 +320,15 @@ async function ask(event) {
     if (image && !attachment.current()) attachment.restore(image);
     const error = result.error;
     if (error.status === 401) unauthorized(sentKey, error.message);
-    else showError("Error" + (error.status ? " " + error.status : "") + ": " + error.message);
+    else showError("Error" + (error.status ? " " + error.status : "") + ": "
+                   + nameAttachments(error.message, body.messages, state.fileNames.concat([image ? image.name : null])));
     return;
   }
   if (s.usage && typeof s.usage.completion_tokens === "number") s.tokens = s.usage.completion_tokens;
   else s.tokens = s.chunks;  // stopped or no usage: one chunk per token
   if (s.outcome === "stopped") answer.message.classList.add("stopped");
   state.messages.push(userMessage, { role: "assistant", content: answerText });
+  state.fileNames.push(image ? image.name : null, null);
   showStats(answer.turn, s);
   if (pinned) scrollToEnd();
   if (document.activeElement === document.body) el.prompt.focus();

@@ -13,7 +13,7 @@ import torch
 
 from conftest import make_image
 
-pytest.importorskip("lmms_eval", reason="needs the lmms-eval extra: pip install 'mmkit[lmms-eval]'")
+pytest.importorskip("lmms_eval", reason="needs the lmms-eval extra: pip install -e '.[lmms-eval]'")
 from lmms_eval.api.instance import Instance  # noqa: E402
 
 from mmkit.entrypoints.lmms.args import parse_value, split_model_args  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from mmkit.entrypoints.cli.main import main as mmkit_main
 from serve_utils import ServerProcess
 
-pytest.importorskip("lmms_eval", reason="needs the lmms-eval extra: pip install 'mmkit[lmms-eval]'")
+pytest.importorskip("lmms_eval", reason="needs the lmms-eval extra: pip install -e '.[lmms-eval]'")
 
 REPO = Path(__file__).resolve().parents[3]
 TASKS = REPO / "assets" / "eval" / "lmms_tasks"

@@ -311,15 +311,17 @@ def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(s
     assert page.get_by_test_id("assistant-message").count() == 0
     assert page.get_by_test_id("send").is_visible()
 
-    # The error shown is the server's own message for the body the page sent.
+    # The error shown is the server's own message for the body the page sent, with the part it
+    # names (`messages[0].content[0]`) called by the name of the file the user chose.
     from openai import BadRequestError
 
     body = page.chat_requests[-1]
     with pytest.raises(BadRequestError) as exc_info:
         _openai(server).chat.completions.create(model=body["model"], messages=body["messages"], max_tokens=8)
     server_message = exc_info.value.body["message"]
-    assert "image" in server_message
-    assert "400" in error.text_content() and server_message in error.text_content()
+    assert "image" in server_message and server_message.startswith("messages[0].content[0]")
+    assert error.text_content() == "Error 400: " + server_message.replace("messages[0].content[0]",
+                                                                          'the attached file "notes.txt"', 1)
 
     # The question comes back to the composer; a real image replaces the text file and works.
     assert page.get_by_test_id("prompt").input_value() == QUESTION
@@ -334,9 +336,20 @@ def test_text_file_as_image_shows_the_server_error_and_the_next_question_works(s
     page.get_by_test_id("send").click()
     error.wait_for(state="visible")
     assert "pixels" in error.text_content() and "400" in error.text_content()
+    assert 'the attached file "huge.png"' in error.text_content()  # messages[2] to the server
     page.get_by_test_id("remove-image").click()
     assert "red circle" in ask(page, "Describe the image.")
     assert len(page.chat_requests[-1]["messages"]) == 3
+
+    # A third question's bad image is `messages[4]` to the server; the page names the file.
+    page.get_by_test_id("image-input").set_input_files(
+        files=[{"name": "holiday.png", "mimeType": "image/png", "buffer": b"\x89PNG\r\n\x1a\n truncated"}])
+    page.get_by_test_id("prompt").fill("And this one?")
+    page.get_by_test_id("send").click()
+    error.wait_for(state="visible")
+    assert page.chat_requests[-1]["messages"][4]["content"][0]["type"] == "image_url"
+    assert error.text_content().startswith('Error 400: the attached file "holiday.png"'), error.text_content()
+    assert "messages[" not in error.text_content()
 
 
 def test_api_key_is_asked_once_and_a_wrong_key_gets_a_clear_401(browser, page):
