@@ -40,6 +40,9 @@ _EXPORTS = {
     "EngineDeadError": "mmkit.errors",
     "RequestFailedError": "mmkit.errors",
     "ModelRegistry": "mmkit.models.registry",
+    "BeamSearchParams": "mmkit.entrypoints.beam_search",
+    "BeamSearchOutput": "mmkit.entrypoints.beam_search",
+    "BeamSearchSequence": "mmkit.entrypoints.beam_search",
 }
 __all__ = list(_EXPORTS)
 
@@ -58,6 +61,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mmkit.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from mmkit.config import EngineArgs
     from mmkit.engine.async_engine import AsyncLLMEngine
     from mmkit.engine.llm_engine import LLMEngine

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -139,6 +139,15 @@ class EngineArgs:
     # none; a compressed-tensors checkpoint is detected from its config without this).
     quantization: str | None = None
     quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
+    # Media fetching for `LLM.chat` (vLLM's names; mmkit/multimodal/media_fetch.py, docs/serving.md
+    # "Media fetching"). None: LLM.chat reads any local path / fetches from any host (as before);
+    # set, only files under the folder / only these hosts. The limits' None is the environment's
+    # default (MMKIT_IMAGE_FETCH_TIMEOUT, MMKIT_MAX_IMAGE_FETCH_BYTES, MMKIT_MAX_IMAGE_PIXELS).
+    allowed_local_media_path: str | os.PathLike | None = None
+    allowed_media_domains: Sequence[str] | None = None
+    image_fetch_timeout: float | None = None  # seconds for a WHOLE download
+    max_image_fetch_bytes: int | None = None
+    max_image_pixels: int | None = None  # width x height, from the header before decoding
 
     def create_engine_config(self) -> EngineConfig:
         from mmkit.plugins import load_plugins

@@ -8,12 +8,14 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from mmkit.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, check_beams_fit, run_beam_search
 from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.engine.request_driver import RequestDriver
 from mmkit.errors import RequestFailedError
 from mmkit.multimodal.legacy import legacy_to_inputs
+from mmkit.multimodal.media_fetch import MediaConnector
 from mmkit.multimodal import supported_modalities
 from mmkit.multimodal.parse import PromptInputs, parse_inputs
 from mmkit.outputs import RequestOutput
@@ -30,6 +32,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
+        # Checked before the model loads: a bad media option fails at once.
+        self.media_connector = MediaConnector.from_engine_args(self.engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._request_counter = itertools.count()
 
@@ -95,11 +99,46 @@ class LLM:
         `{"type": "video_url", "video_url": {"url": "movie.mp4" | [frames]}}` (files need PyAV)
         and `{"type": "video", "video": frames}`. Rendered with the checkpoint's chat template
         (or `chat_template`); returns one `RequestOutput` per conversation, like `generate`.
+        URLs and paths load under the media options (`allowed_local_media_path`,
+        `allowed_media_domains`, `image_fetch_timeout`, `max_image_fetch_bytes`, `max_image_pixels`;
+        docs/serving.md "Media fetching"); a refusal is a `ValueError` naming the part and the limit.
         """
         processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
         allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
-        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video)
+        inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video,
+                                         media=self.media_connector)
         return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInputs | Sequence[PromptInputs],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): one `BeamSearchOutput` per prompt, in input
+        order, its `.sequences` best first (`.tokens`: prompt + generated ids, `.text`: the
+        generated text, `.cum_logprob`).
+
+        `prompts`: every form `generate` takes (a string, a token-id prompt, a dict with
+        `multi_modal_data`, or a list of them). Each step asks the engine for one token of every
+        live beam; the beams of a prompt share its KV blocks (prefix caching) and its image's
+        embeddings (encoded once per prompt). Every prompt is validated before any request is
+        added. See `mmkit.entrypoints.beam_search`.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: got {type(params).__name__}; expected BeamSearchParams")
+        if prompts is None:
+            raise ValueError("LLM.beam_search: prompts: missing; expected a prompt string, dict or a list of them")
+        engine = self.llm_engine
+        parsed = parse_inputs(prompts, engine.input_stage.map)
+        # Validate everything before adding anything (the step requests reuse these).
+        processed = [engine.process_request(f"beam-{p.index}-check", p, None)[0] for p in parsed]
+        check_beams_fit(engine, processed, params)
+        steps = tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        with steps:
+            return run_beam_search(engine, processed, params, lambda: f"beam-{next(self._request_counter)}",
+                                   progress=iter(steps))
 
     @staticmethod
     def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:

@@ -5,6 +5,7 @@
 - `parse.py`: the user's prompt forms (`MultiModalData`, `TextPrompt`, ...) parsed and validated
   into `ParsedPrompt`s; `video.py`: a prompt's videos as frames;
 - `image_io.py` / `video_io.py`: reading images and videos from paths, URLs and bytes;
+  `media_fetch.py`: where they may come from and the download limits (`MediaConnector`);
 - `modalities.py`: the one refusal of a modality a processor does not declare;
 - `hashing.py`: items' content hashes;
 - `legacy.py`: the old `prompts=` / `prompt_token_ids=` / `multi_modal_data=` keyword arguments;

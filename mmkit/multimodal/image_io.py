@@ -3,7 +3,7 @@
 `load_image(source, where=...)` takes a file path (str or `pathlib.Path`), a `file://` URL, a
 `data:image/...;base64,` URI, raw encoded bytes, an `http(s)://` URL or an already open PIL
 image, and returns a fully decoded `PIL.Image.Image`. Every failure (missing file, not an
-image, corrupt or truncated data, a decompression bomb, a network error) is a `ValueError`
+image, corrupt or truncated data, a decompression bomb, a network error, a media limit) is a `ValueError`
 whose message holds `where` (say `"messages[0].content[1]"`), the source's name and what was
 expected; PIL's own `OSError` / `UnidentifiedImageError` never escape.
 
@@ -15,6 +15,10 @@ converts to RGB, exactly as it does for an image the user opened); the modes a p
 not expect are normalized: 1 -> L, LA/PA -> RGBA, CMYK/YCbCr/LAB/HSV -> RGB, 16- and 32-bit
 integer or float grayscale -> L (scaled to 0-255). EXIF orientation is applied, as
 `transformers.image_utils.load_image` does.
+
+Limits and allow-lists (download timeout and size, max pixels, allowed local folder and hosts)
+come from a `MediaConnector` (mmkit/multimodal/media_fetch.py); without one, the permissive
+default with the environment's limits (mmkit/envs.py) applies.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import base64
 import binascii
 import io
 import os
-import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
@@ -34,12 +37,14 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmkit.multimodal.items import MAX_IMAGE_PIXELS, check_image_size
+from mmkit.multimodal.media_fetch import MediaConnector
 
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image]
 
-#: Seconds before an http(s) download gives up.
+#: Seconds a whole http(s) download may take by default (env MMKIT_IMAGE_FETCH_TIMEOUT overrides it).
 HTTP_TIMEOUT_S = 10.0
-#: The largest encoded image accepted from a URL, data URI or bytes (a guard, not a format limit).
+#: The largest encoded image accepted from a file, data URI or bytes (a guard, not a format limit;
+#: a download stops at the smaller `max_image_fetch_bytes`, mmkit/multimodal/media_fetch.py).
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
 
 _KEPT_MODES = ("L", "RGB", "RGBA", "P")
@@ -49,21 +54,26 @@ _EXPECTED = "an image file PIL can decode (PNG, JPEG, GIF, BMP, WebP, TIFF, ...)
 __all__ = ["load_image", "load_image_bytes", "ImageSource", "HTTP_TIMEOUT_S", "MAX_IMAGE_BYTES"]
 
 
-def load_image(source: ImageSource, *, where: str, timeout: float = HTTP_TIMEOUT_S) -> Image.Image:
+def load_image(source: ImageSource, *, where: str, timeout: float | None = None,
+               media: MediaConnector | None = None) -> Image.Image:
     """Read and fully decode one image; any failure is a `ValueError` naming `where` and the source.
 
     `source`: a path (str or PathLike), `file://` URL, `data:image/<fmt>;base64,<data>` URI,
-    `http://`/`https://` URL (downloaded with `timeout` seconds), encoded bytes, or a PIL image
-    (decoded and mode-normalized like the others). The result holds its pixels in memory:
-    no file handle stays open.
+    `http://`/`https://` URL (the whole download within `timeout` seconds), encoded bytes, or a
+    PIL image (decoded and mode-normalized like the others). `media`: the allow-lists and limits
+    (default: any local file or host, the environment's limits); `timeout` overrides its
+    `image_fetch_timeout`. The result holds its pixels in memory: no file handle stays open.
     """
+    media = media if media is not None else MediaConnector()
+    if timeout is not None:
+        media = media.replace(image_fetch_timeout=timeout)
     if isinstance(source, Image.Image):
         name = _pil_name(source)
-        return _finish(source, where, name)
+        return _finish(source, where, name, media)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return load_image_bytes(bytes(source), where=where, name=f"bytes ({len(source)} bytes)")
+        return load_image_bytes(bytes(source), where=where, name=f"bytes ({len(source)} bytes)", media=media)
     if isinstance(source, os.PathLike):
-        return _load_path(Path(source), where)
+        return _load_path(Path(source), os.fspath(source), where, media)
     if not isinstance(source, str):
         raise TypeError(
             f"{where}: got {type(source).__name__}; expected a file path, a file:// or http(s):// URL, "
@@ -73,16 +83,24 @@ def load_image(source: ImageSource, *, where: str, timeout: float = HTTP_TIMEOUT
         raise ValueError(f"{where}: got an empty string; expected an image path, URL or data URI")
     lowered = source[:16].lower()
     if lowered.startswith("data:"):
-        return _load_data_uri(source, where)
+        return _load_data_uri(source, where, media)
     if lowered.startswith("file:"):
-        return _load_path(_file_url_to_path(source, where), where)
+        return _load_path(_file_url_to_path(source, where), source, where, media)
     if lowered.startswith(("http://", "https://")):
-        return _load_url(source, where, timeout)
-    return _load_path(Path(source), where)
+        name = f"URL '{source[:200]}'"
+        return load_image_bytes(media.fetch(source, where), where=where, name=name, media=media)
+    if "://" in lowered:
+        scheme = source.split("://", 1)[0]
+        raise ValueError(f"{where}: got a URL with scheme {scheme!r}; expected a data:image/...;base64 URI, "
+                         "http(s):// or file://, or a local path")
+    return _load_path(Path(source), source, where, media)
 
 
-def load_image_bytes(data: bytes, *, where: str, name: str = "bytes") -> Image.Image:
-    """Decode encoded image bytes (PNG, JPEG, ...); `name` says where they came from in errors."""
+def load_image_bytes(data: bytes, *, where: str, name: str = "bytes",
+                     media: MediaConnector | None = None) -> Image.Image:
+    """Decode encoded image bytes (PNG, JPEG, ...); `name` says where they came from in errors.
+    The size is checked against `media`'s `max_image_pixels` from the header, before decoding."""
+    media = media if media is not None else MediaConnector()
     if len(data) == 0:
         raise ValueError(f"{where}: {name} is empty (0 bytes); expected {_EXPECTED}")
     if len(data) > MAX_IMAGE_BYTES:
@@ -91,13 +109,14 @@ def load_image_bytes(data: bytes, *, where: str, name: str = "bytes") -> Image.I
         # PIL warns (rather than fails) between its limit and twice it: refuse those too.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         img = _decode_step(lambda: Image.open(io.BytesIO(data)), where, name, _sniff_format(data))
-        _check_pixels(img.size, where, name)  # before decoding allocates the pixels
+        _check_pixels(img.size, where, name, media)  # from the header, before decoding allocates the pixels
         _decode_step(img.load, where, name)  # a truncated file fails here, not in a later engine step
-    return _finish(img, where, name)
+    return _finish(img, where, name, media)
 
 
 # ---------------------------------------------------------------------- sources
-def _load_path(path: Path, where: str) -> Image.Image:
+def _load_path(path: Path, shown: str, where: str, media: MediaConnector) -> Image.Image:
+    path = media.check_local_path(path, shown, where)
     name = f"file '{path}'"
     try:
         data = path.read_bytes()
@@ -108,7 +127,7 @@ def _load_path(path: Path, where: str) -> Image.Image:
     except OSError as exc:
         raise ValueError(f"{where}: {name} cannot be read ({exc.strerror or exc}); expected a readable "
                          "image file") from exc
-    return load_image_bytes(data, where=where, name=name)
+    return load_image_bytes(data, where=where, name=name, media=media)
 
 
 def _file_url_to_path(url: str, where: str) -> Path:
@@ -119,42 +138,32 @@ def _file_url_to_path(url: str, where: str) -> Path:
     return Path(urllib.request.url2pathname(parsed.path))
 
 
-def _load_data_uri(uri: str, where: str) -> Image.Image:
+def _load_data_uri(uri: str, where: str, media: MediaConnector) -> Image.Image:
     header, sep, payload = uri.partition(",")
-    media = header[len("data:"):]
+    kind = header[len("data:"):]
     shown = header if len(header) <= 40 else header[:37] + "..."
-    if not sep or not media.lower().startswith("image/") or not media.lower().endswith(";base64"):
+    if not sep or not kind.lower().startswith("image/") or not kind.lower().endswith(";base64"):
         raise ValueError(f"{where}: got data URI '{shown},...'; expected 'data:image/<format>;base64,<data>'")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"{where}: the data URI's base64 payload is invalid ({exc}); expected "
                          "standard base64 of an image file") from exc
-    return load_image_bytes(data, where=where, name=f"data URI ({media})")
-
-
-def _load_url(url: str, where: str, timeout: float) -> Image.Image:
-    name = f"URL '{url}'"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http(s) only
-            data = response.read(MAX_IMAGE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"{where}: {name} answered HTTP {exc.code} {exc.reason}; expected an image") from exc
-    except (urllib.error.URLError, OSError) as exc:  # includes timeouts
-        reason = getattr(exc, "reason", exc)
-        raise ValueError(f"{where}: {name} could not be downloaded ({reason}) within {timeout:g} s; "
-                         "expected a reachable image URL") from exc
-    return load_image_bytes(data, where=where, name=name)
+    return load_image_bytes(data, where=where, name=f"data URI ({kind})", media=media)
 
 
 # ---------------------------------------------------------------------- checks and modes
-def _check_pixels(size: tuple[int, int], where: str, name: str) -> None:
+def _check_pixels(size: tuple[int, int], where: str, name: str, media: MediaConnector) -> None:
     width, height = size
+    limit = media.max_image_pixels
+    if limit < MAX_IMAGE_PIXELS and width * height > limit:
+        raise ValueError(f"{where}: {name} is an image of {width}x{height} ({width * height} pixels), over the "
+                         f"pixel limit of {limit} {media.limit('max_image_pixels')}; expected at most {limit} pixels")
     check_image_size(where, width, height, what=f"{name}, an image")
 
 
-def _finish(img: Image.Image, where: str, name: str) -> Image.Image:
-    _check_pixels(img.size, where, name)
+def _finish(img: Image.Image, where: str, name: str, media: MediaConnector) -> Image.Image:
+    _check_pixels(img.size, where, name, media)
     try:
         img.load()
         img = ImageOps.exif_transpose(img)  # a copy only when the EXIF says to rotate

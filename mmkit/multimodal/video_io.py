@@ -16,15 +16,18 @@ from typing import Any
 import torch
 
 from mmkit.multimodal.image_io import load_image
+from mmkit.multimodal.media_fetch import MediaConnector
 
 
-def load_video(source: Any, *, where: str) -> Any:
+def load_video(source: Any, *, where: str, media: MediaConnector | None = None) -> Any:
     """A local video file (path or `file://` URL) -> (T, C, H, W) uint8 tensor; a list of frames
-    (PIL images, paths, file:// or data: URLs) -> a list of PIL frames."""
+    (PIL images, paths, file:// or data: URLs) -> a list of PIL frames. `media`: the allowed local
+    folder and the image limits (mmkit/multimodal/media_fetch.py; default: any local file)."""
+    media = media if media is not None else MediaConnector()
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError(f"{where}: got an empty list of frames; expected at least one frame")
-        return [load_image(frame, where=f"{where}[{i}]") for i, frame in enumerate(source)]
+        return [load_image(frame, where=f"{where}[{i}]", media=media) for i, frame in enumerate(source)]
     if not isinstance(source, (str, Path)):
         raise TypeError(f"{where}: got {type(source).__name__}; expected a video file path, a file:// URL or "
                         "a list of frames")
@@ -36,6 +39,7 @@ def load_video(source: Any, *, where: str) -> Any:
     if "://" in path:
         raise ValueError(f"{where}: got {path!r}; expected a local video file or a list of frames (mmkit does "
                          "not download videos)")
+    path = str(media.check_local_path(Path(path), str(source), where))
     if not Path(path).is_file():
         raise ValueError(f"{where}: video file {path!r} does not exist")
     try:

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Caption each image (one line per image).")
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar (shown for many images)")
+    p.add_argument("--beam-width", type=int, default=1, metavar="N",
+                   help="beam search with N beams (N > 1), printing the best beam (default 1: sampling as set)")
     _common(p)
     p = sub.add_parser("ask", help="answer a question about an image",
                        description="Answer QUESTION about IMAGE.")
@@ -120,6 +122,13 @@ def _params(args):
                           seed=args.seed if args.temperature > 0 else None)
 
 
+def _beam_params(args):
+    """`--beam-width N`: beam search values, checked before the model loads (as `_params`)."""
+    from mmkit import BeamSearchParams
+
+    return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens, temperature=args.temperature)
+
+
 def question_inputs(llm, image, question: str) -> dict:
     """A user turn with the image then the question, rendered with the model's chat template."""
     from mmkit.entrypoints.chat_utils import conversations_to_inputs
@@ -134,7 +143,7 @@ def cmd_caption(args) -> int:
 
     from mmkit.entrypoints.cli.batch import generate_in_order
 
-    params = _params(args)
+    params = _beam_params(args) if args.beam_width != 1 else _params(args)
     # An unreadable image is reported (path and reason) and skipped; the others are captioned.
     paths, images, failed = [], [], []
     for path in args.images:
@@ -154,8 +163,12 @@ def cmd_caption(args) -> int:
             text = out.outputs[0].text.strip()
             print(text if len(args.images) == 1 else f"{paths[i]}\t{text}", flush=True)
 
-        # Captions print as they finish (in input order), so a Ctrl-C keeps what is done.
-        generate_in_order(llm, inputs, params, show, show_progress=len(images) > 1 and not args.no_progress)
+        if args.beam_width != 1:  # every image's beams advance together: the best beams print at the end
+            for i, out in enumerate(llm.beam_search(inputs, params, use_tqdm=len(images) > 1 and not args.no_progress)):
+                text = out.sequences[0].text.strip()
+                print(text if len(args.images) == 1 else f"{paths[i]}\t{text}", flush=True)
+        else:  # captions print as they finish (in input order), so a Ctrl-C keeps what is done
+            generate_in_order(llm, inputs, params, show, show_progress=len(images) > 1 and not args.no_progress)
     if failed:
         print(f"mmkit caption: {len(failed)} of {len(args.images)} images could not be read: {', '.join(failed)}",
               file=sys.stderr)

@@ -1,7 +1,7 @@
 """The FastAPI app (`create_app`) and the uvicorn runner (`run_server`) behind `mmkit serve`.
 
 Routes: `GET /health`, `GET /version`, `GET /v1/models`, `POST /v1/chat/completions`,
-`POST /v1/completions`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and the
+`POST /v1/completions`, `POST /v1/responses` (stateless), `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and the
 playground page at `/` when `mmkit/entrypoints/ui/` is present.
 Every error is OpenAI's JSON body; a client's bad input is a 4xx, never a 500.
 """
@@ -28,11 +28,12 @@ from mmkit.engine.async_engine import AsyncLLMEngine
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.metrics import ServerMetrics
 from mmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                               TokenizeResponse)
+                                               DetokenizeResponse, ModelCard, ModelList, ResponsesRequest,
+                                               TokenizeRequest, TokenizeResponse)
 from mmkit.entrypoints.openai.serving_chat import OpenAIServingChat
 from mmkit.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from mmkit.entrypoints.openai.serving_engine import ClientDisconnected, ServerConfig, default_sampling_from
+from mmkit.entrypoints.openai.serving_responses import OpenAIServingResponses
 from mmkit.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("mmkit.serve")
@@ -50,6 +51,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     metrics = ServerMetrics(engine)
     chat = OpenAIServingChat(engine, config, metrics)
     completion = OpenAIServingCompletion(engine, config, metrics)
+    responses = OpenAIServingResponses(engine, config, metrics)
     tokenization = OpenAIServingTokenization(engine, config, metrics)
     app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     _add_error_handlers(app)
@@ -77,6 +79,15 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
         return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        raise OpenAIError(f"response_id: no stored response {response_id[:80]!r}; mmkit serve keeps no responses "
+                          "(stateless)", 404, param="response_id", code="not_found")
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -155,6 +166,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = ("prompt: expected a string, a list of strings, a list of token ids or a list of "
                        f"token-id lists (got {repr(first.get('input'))[:80]})")
             param = "prompt"
+        elif loc and loc[0] == "input" and len(loc) > 1:  # the Responses API's union, likewise
+            message = f"input: expected a string or a list of input messages (got {repr(first.get('input'))[:80]})"
+            param = "input"
         elif first.get("type") == "json_invalid":
             message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
             param = None
@@ -279,7 +293,10 @@ def run_server(args: Any) -> int:
     print(f"mmkit serve: loading {args.model or 'the embedded default model'} ...", flush=True)
     start = time.perf_counter()
     media = MediaPolicy.from_args(args.allowed_local_media_path,
-                                  list(split_flag_values(args.allowed_media_domains)))
+                                  list(split_flag_values(args.allowed_media_domains)),
+                                  image_fetch_timeout=args.image_fetch_timeout,
+                                  max_image_fetch_bytes=args.max_image_fetch_bytes,
+                                  max_image_pixels=args.max_image_pixels)
     chat_template = read_chat_template(args.chat_template)
     check_generation_config(args.generation_config)
     engine = AsyncLLMEngine.from_engine_args(build_engine_args(args))

@@ -60,6 +60,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="image_url may name local files (paths or file://) under DIR only (default: none)")
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="hosts http(s) image URLs may come from, comma- or space-separated (default: none)")
+    g.add_argument("--image-fetch-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds a whole image download may take (default: env MMKIT_IMAGE_FETCH_TIMEOUT, else 10)")
+    g.add_argument("--max-image-fetch-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest image download (default: env MMKIT_MAX_IMAGE_FETCH_BYTES, else 20 MiB)")
+    g.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
+                   help="largest image, width x height, checked before decoding (default: env "
+                        "MMKIT_MAX_IMAGE_PIXELS, else 89478485)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), comma- or space-separated, '*' for any "
                         "(default: none; vLLM allows any)")

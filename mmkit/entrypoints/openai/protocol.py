@@ -241,3 +241,74 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---------------------------------------------------------------------- responses (stateless)
+class ResponsesRequest(SamplingRequestFields):
+    """Body of `POST /v1/responses`.
+
+    `input` is a string or a list of message items; they stay plain dicts here, checked by
+    serving_responses with messages that name `input[i].content[j]`. mmkit keeps no responses,
+    so `previous_response_id` and `conversation` are refused there (400), and `store` is ignored.
+    """
+
+    input: Optional[Union[str, list[Any]]] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    text: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Any] = None
+    n: Literal[1] = 1  # one answer per response
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object (its fields a client reads; tools are never used here)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: Optional[dict[str, Any]] = None
+    incomplete_details: Optional[IncompleteDetails] = None
+    instructions: Optional[str] = None
+    model: str
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_output_tokens: Optional[int] = None
+    previous_response_id: Optional[str] = None
+    store: bool = False
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    usage: Optional[ResponseUsage] = None

@@ -1,6 +1,6 @@
-"""`POST /v1/chat/completions`: OpenAI chat messages (text and `image_url` parts) rendered
-with the checkpoint's chat template exactly as `LLM.chat` renders them, answered whole or
-streamed as server-sent events."""
+"""`POST /v1/chat/completions`: OpenAI chat messages (text and `image_url` parts; tool calls and
+tool results, images in them too) rendered with the checkpoint's chat template exactly as
+`LLM.chat` renders them, answered whole or streamed as server-sent events."""
 
 from __future__ import annotations
 
@@ -38,12 +38,7 @@ class OpenAIServingChat(OpenAIServing):
         # Images are decoded (and maybe downloaded) off the event loop.
         inputs = await asyncio.to_thread(self._render, request)
         request_id = random_id("chatcmpl")
-        try:
-            first, stream = await self.start(inputs, params, request_id)
-        except OpenAIError as exc:
-            if exc.param and exc.param.startswith("inputs[0]"):  # the engine's name for this prompt
-                exc.message, exc.param = exc.message.replace("inputs[0]", "messages", 1), "messages"
-            raise
+        first, stream = await self.start(inputs, params, request_id, param="messages")
         timer.on_output(first)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -100,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
             return message
         message = dict(message)
         message["role"] = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
-        if message.get("content") is None and message.get("role") == "assistant":
+        if message.get("content") is None and message.get("role") == "assistant" and not message.get("tool_calls"):
             message["content"] = ""  # OpenAI allows an assistant turn without content
         content = message.get("content")
         if not isinstance(content, list):

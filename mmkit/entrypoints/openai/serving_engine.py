@@ -138,12 +138,13 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from exc
 
-    async def start(self, inputs: Any, params: SamplingParams, request_id: str
+    async def start(self, inputs: Any, params: SamplingParams, request_id: str, param: str | None = None
                     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add one request and wait for its first output.
 
         Input checks (prompt too long, too many images, a bad image) raise before or at the
-        first output, so they become a 400 before a response (or a stream) has begun.
+        first output, so they become a 400 before a response (or a stream) has begun. With
+        `param`, an error the engine names `inputs[0]...` names that request field instead.
         """
         stream = self.engine.generate(inputs, params, request_id)
         try:
@@ -151,7 +152,10 @@ class OpenAIServing:
         except StopAsyncIteration as exc:  # aborted (shutdown) before the first output
             raise OpenAIError("the request was aborted: the server is shutting down", 503) from exc
         except Exception as exc:  # noqa: BLE001 - each kind has its status in request_error
-            raise request_error(exc) from exc
+            error = request_error(exc)
+            if param is not None and error.param and error.param.startswith("inputs[0]"):
+                error.message, error.param = error.message.replace("inputs[0]", param, 1), param
+            raise error from exc
         return first, stream
 
     @staticmethod
