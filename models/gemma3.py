@@ -175,17 +175,24 @@ class Gemma3ForConditionalGeneration(DecoderLMMixin, nn.Module):
 
     def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
         """Items {"pixel_values": [views, 3, S, S] (the image, then its crops), "span_ids": [L]}
+        (given embeddings: {"image_embeds": [views * mm_tokens, hidden], "span_ids": [L]})
         -> one [L, hidden] tensor each. Every view of the step goes through the tower at once,
         as transformers batches a prompt's images (SigLIP attends within a view only)."""
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
-        pixels = torch.cat([item["pixel_values"] for item in items]).to(dtype)
-        states = self.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state
-        features = self.multi_modal_projector(states)  # [views, mm_tokens_per_image, hidden]
+        encoded = [item for item in items if "image_embeds" not in item]
+        features = None
+        if encoded:
+            pixels = torch.cat([item["pixel_values"] for item in encoded]).to(dtype)
+            states = self.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state
+            features = self.multi_modal_projector(states)  # [views, mm_tokens_per_image, hidden]
         out, start = [], 0
         for item in items:
-            views = item["pixel_values"].shape[0]
-            rows = features[start:start + views].flatten(0, 1)  # [views * mm_tokens, hidden]
-            start += views
+            if "image_embeds" in item:  # given by the user: [views * mm_tokens, hidden]
+                rows = item["image_embeds"]
+            else:
+                views = item["pixel_values"].shape[0]
+                rows = features[start:start + views].flatten(0, 1)  # [views * mm_tokens, hidden]
+                start += views
             out.append(span_embeddings(self.language_model.embed_tokens, item["span_ids"],
                                        self.config.image_token_id, rows))
         return out

@@ -79,12 +79,17 @@ class Idefics3ForConditionalGeneration(DecoderLMMixin, nn.Module):
 
     def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
         """Items {"pixel_values": [1, views, 3, S, S], "pixel_attention_mask": [1, views, S, S],
-        "span_ids": [L]} -> one [L, hidden] tensor each (views of a video are its frames)."""
+        "span_ids": [L]} -> one [L, hidden] tensor each (views of a video are its frames); an item of
+        given embeddings is {"image_embeds": [views * image_seq_len, hidden], "span_ids": [L]}."""
         base_cls = self._hf_classes()[0]
         owner = SimpleNamespace(config=self.config, vision_model=self.vision_model, connector=self.connector,
                                 dtype=self.vision_model.dtype)
         out = []
         for item in items:
+            if "image_embeds" in item:  # given by the user: [views * image_seq_len, hidden]
+                out.append(span_embeddings(self.text_model.embed_tokens, item["span_ids"],
+                                           self.config.image_token_id, item["image_embeds"]))
+                continue
             features = base_cls.get_image_features(owner, pixel_values=item["pixel_values"],
                                                    pixel_attention_mask=item["pixel_attention_mask"],
                                                    return_dict=True).pooler_output

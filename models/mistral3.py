@@ -86,7 +86,8 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         return h * (w + 1)
 
     def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
-        """Items {"pixel_values": [1, 3, H, W], "image_sizes": [1, 2], "span_ids": [L]} -> [L, hidden] each.
+        """Items {"pixel_values": [1, 3, H, W], "image_sizes": [1, 2], "span_ids": [L]} -> [L, hidden] each;
+        an item of given embeddings is {"image_embeds": [h * w, hidden], "span_ids": [L]}.
 
         NOTE: one tower call per image: Pixtral attends within an image only (transformers
         batches a prompt's images with a block-diagonal mask), so the features are the same."""
@@ -95,6 +96,10 @@ class Mistral3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         layers = [layer] if isinstance(layer, int) else list(layer)
         out = []
         for item in items:
+            if "image_embeds" in item:  # given by the user: the projector's rows [h * w, text_hidden]
+                out.append(span_embeddings(self.language_model.embed_tokens, item["span_ids"],
+                                           self.config.image_token_id, item["image_embeds"]))
+                continue
             sizes = item["image_sizes"]
             states = self.vision_tower(item["pixel_values"].to(dtype), image_sizes=sizes,
                                        output_hidden_states=True, return_dict=True).hidden_states

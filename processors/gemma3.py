@@ -27,6 +27,7 @@ from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.replacements import ReplacementProbe, call_processor, check_feature_rows, expand_text
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
 from mmkit.processors.spans import (SpanItem, check_text_placeholders, checked_token_ids,
                                     expand_token_ids_keeping_spans)
 
@@ -89,19 +90,34 @@ class Gemma3InputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.image_embeds is not None:
-            raise ValueError(f"{where}.multi_modal_data: image embeddings are not supported for {self.name}; "
-                             "pass images")
         options = {**self.default_kwargs,
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
-        if parsed.num_images > self.max_images:
-            raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
-                             f"limit_mm_per_prompt['image'] = {self.max_images}")
-        images = list(parsed.images)
-        wheres = [f"{where}.multi_modal_data.image[{k}]" for k in range(len(images))]
+        given = None
+        if parsed.image_embeds is not None:
+            def replacement(at: str, size: tuple[int, int] | None):
+                # Without a size: one view (no pan-and-scan crops), on a blank image of any size.
+                height, width = size or (32, 32)
+                return self.probe.replacement("image", width, height, 1,
+                                              options if size else {**options, "do_pan_and_scan": False}, at)
+
+            given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
+                                      max_images=self.max_images, image_token_id=self.image_token_id,
+                                      tokenizer=self.tokenizer, replacement=replacement)
+            num_images = len(given)
+        else:
+            if parsed.num_images > self.max_images:
+                raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
+                                 f"limit_mm_per_prompt['image'] = {self.max_images}")
+            images = list(parsed.images)
+            num_images = len(images)
+        wheres = [f"{where}.multi_modal_data.image[{k}]" for k in range(num_images)]
         if parsed.prompt is not None:  # the count first: a clear error before any processor call
-            check_text_placeholders(where, parsed.prompt, {"image": self.placeholder}, {"image": len(images)})
-        reps = [self.probe.replacement("image", im.width, im.height, 1, options, w) for im, w in zip(images, wheres)]
+            check_text_placeholders(where, parsed.prompt, {"image": self.placeholder}, {"image": num_images})
+        if given is not None:
+            reps = [g.rep for g in given]
+        else:
+            reps = [self.probe.replacement("image", im.width, im.height, 1, options, w)
+                    for im, w in zip(images, wheres)]
         if parsed.prompt is not None:
             exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
         else:
@@ -109,6 +125,10 @@ class Gemma3InputProcessor:
             exp = expand_token_ids_keeping_spans(self.hf_processor, self.tokenizer, where, ids, {"image": reps})
         items = []
         for (_, k), rng in zip(exp.order, exp.ranges):
+            if given is not None:  # its rows were checked against the span's soft tokens
+                items.append(GivenSpanItem("image", [], exp.token_ids[rng.offset:rng.offset + rng.length],
+                                           dict(options), where=wheres[k], embeds=given[k].embeds, size=given[k].size))
+                continue
             item = SpanItem("image", [images[k]], exp.token_ids[rng.offset:rng.offset + rng.length], dict(options),
                             where=wheres[k])
             self._check_span(item, reps[k].outputs)
@@ -128,7 +148,10 @@ class Gemma3InputProcessor:
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: SpanItem) -> MultiModalKwargs:
-        """{"pixel_values": [views, 3, S, S] (the image, then its crops), "span_ids": [L]}."""
+        """{"pixel_values": [views, 3, S, S] (the image, then its crops), "span_ids": [L]}
+        (given embeddings: {"image_embeds": [views * mm_tokens_per_image, hidden], "span_ids": [L]})."""
+        if isinstance(item, GivenSpanItem):
+            return given_item_inputs(item)
         image = item.frames[0].to_pil()
         rep, out = call_processor(self.hf_processor, "image", [image], item.options, item.where)
         predicted = self.probe.replacement("image", image.width, image.height, 1, item.options, item.where)

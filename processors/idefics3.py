@@ -24,6 +24,7 @@ from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.replacements import ReplacementProbe, call_processor, check_feature_rows, expand_text
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
 from mmkit.processors.spans import (SpanItem, check_text_placeholders, checked_token_ids,
                                     expand_token_ids_keeping_spans)
 from mmkit.multimodal.video import parse_videos
@@ -98,11 +99,19 @@ class Idefics3InputProcessor:
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.image_embeds is not None:
-            raise ValueError(f"{where}.multi_modal_data: image embeddings are not supported for {self.name}; "
-                             "pass images")
         options = {**self.default_kwargs,
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        given = None
+        if parsed.image_embeds is not None:
+            def replacement(at: str, size: tuple[int, int] | None):
+                # Without a size: the global view alone, on a blank image of any size.
+                height, width = size or (32, 32)
+                return self.probe.replacement("image", width, height, 1,
+                                              options if size else {**options, "do_image_splitting": False}, at)
+
+            given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
+                                      max_images=self.max_items["image"], image_token_id=self.image_token_id,
+                                      tokenizer=self.tokenizer, replacement=replacement)
         videos = []
         if parsed.video_data is not None:
             if self.video_processor is None:  # a SmolVLM checkpoint saved without its video processor
@@ -115,7 +124,10 @@ class Idefics3InputProcessor:
                                  "takes the frames as given: pass the frames to use and set do_sample_frames to "
                                  "false in the checkpoint's processor config")
             videos = parse_videos(f"{where}.multi_modal_data['video']", parsed.video_data)
-        given = {"image": [[image] for image in parsed.images], "video": videos}
+        num_given = len(given) if given is not None else 0
+        given_reps, given = given, {"image": [[image] for image in parsed.images], "video": videos}
+        if given_reps is not None:  # placeholders for the count check; their spans come from the sizes
+            given["image"] = [[None]] * num_given
         for modality, items in given.items():
             if len(items) > self.max_items[modality]:
                 raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
@@ -125,7 +137,8 @@ class Idefics3InputProcessor:
         if parsed.prompt is not None:  # the count first: a clear error before any processor call
             check_text_placeholders(where, parsed.prompt, self.placeholders, {m: len(given[m]) for m in given})
         reps = {m: [self.probe.replacement(m, frames[0].width, frames[0].height, len(frames), used[m], w)
-                    for frames, w in zip(given[m], wheres[m])] for m in self.placeholders}
+                    for frames, w in zip(given[m], wheres[m])] if m != "image" or given_reps is None
+                    else [g.rep for g in given_reps] for m in self.placeholders}
         if parsed.prompt is not None:
             exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, reps)
         else:
@@ -133,6 +146,11 @@ class Idefics3InputProcessor:
             exp = expand_token_ids_keeping_spans(self.hf_processor, self.tokenizer, where, ids, reps)
         items = []
         for (m, k), rng in zip(exp.order, exp.ranges):
+            if m == "image" and given_reps is not None:  # its rows were checked against the span
+                items.append(GivenSpanItem("image", [], exp.token_ids[rng.offset:rng.offset + rng.length],
+                                           dict(options), where=wheres[m][k], embeds=given_reps[k].embeds,
+                                           size=given_reps[k].size))
+                continue
             item = SpanItem(m, list(given[m][k]), exp.token_ids[rng.offset:rng.offset + rng.length], dict(used[m]),
                             where=wheres[m][k])
             self._check_span(item, reps[m][k].outputs)
@@ -152,7 +170,10 @@ class Idefics3InputProcessor:
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: SpanItem) -> MultiModalKwargs:
-        """{"pixel_values": [1, views, 3, S, S], "pixel_attention_mask": [1, views, S, S], "span_ids": [L]}."""
+        """{"pixel_values": [1, views, 3, S, S], "pixel_attention_mask": [1, views, S, S], "span_ids": [L]}
+        (given embeddings: {"image_embeds": [views * image_seq_len, hidden], "span_ids": [L]})."""
+        if isinstance(item, GivenSpanItem):
+            return given_item_inputs(item)
         frames = [f.to_pil().convert("RGB") for f in item.frames]
         rep, out = call_processor(self.hf_processor, item.modality, frames, item.options, item.where)
         predicted = self.probe.replacement(item.modality, frames[0].width, frames[0].height, len(frames),

@@ -18,6 +18,7 @@ from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
                                            expand_token_ids)
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
 from mmkit.processors.spans import SpanItem, checked_token_ids
 
 
@@ -56,15 +57,20 @@ class Mistral3InputProcessor:
         if parsed.mm_processor_kwargs:
             raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; {self.name} takes "
                              "no processor options")
+        given = None
         if parsed.image_embeds is not None:
-            raise ValueError(f"{where}.multi_modal_data: image embeddings are not supported for {self.name}; "
-                             "pass images")
-        if parsed.num_images > self.max_images:
-            raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
-                             f"limit_mm_per_prompt['image'] = {self.max_images}")
-        images = list(parsed.images)
-        wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(images))]
-        reps = [self.probe.replacement("image", im.width, im.height, 1, {}, w) for im, w in zip(images, wheres)]
+            given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
+                                      max_images=self.max_images, image_token_id=self.image_token_id,
+                                      tokenizer=self.tokenizer, replacement=self._given_replacement)
+            reps = [g.rep for g in given]
+            wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(given))]
+        else:
+            if parsed.num_images > self.max_images:
+                raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
+                                 f"limit_mm_per_prompt['image'] = {self.max_images}")
+            images = list(parsed.images)
+            wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(images))]
+            reps = [self.probe.replacement("image", im.width, im.height, 1, {}, w) for im, w in zip(images, wheres)]
         if parsed.prompt is not None:
             exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
         else:
@@ -73,10 +79,22 @@ class Mistral3InputProcessor:
         items = []
         for (_, k), rng in zip(exp.order, exp.ranges):
             span = exp.token_ids[rng.offset:rng.offset + rng.length]
+            if given is not None:  # its rows were checked against the span's [IMG] count
+                items.append(GivenSpanItem("image", [], span, where=wheres[k], embeds=given[k].embeds,
+                                           size=given[k].size))
+                continue
             self._check_span(wheres[k], images[k], reps[k].outputs, span)
             items.append(SpanItem("image", [images[k]], span, where=wheres[k]))
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=exp.token_ids,
                                placeholder_ranges=exp.ranges, images=items)
+
+    def _given_replacement(self, where: str, size: tuple[int, int] | None):
+        """The span of an image of `size` (height, width), as the processor writes it."""
+        if size is None:
+            raise ValueError(f"{where}: got image embeddings without 'image_sizes'; {self.name} lays an image out "
+                             "by its size: pass {'image_embeds': [tokens, hidden_size], 'image_sizes': [N, 2]} "
+                             "(each image's (height, width), e.g. the PixtralProcessor's image_sizes)")
+        return self.probe.replacement("image", size[1], size[0], 1, {}, where)
 
     def _check_span(self, where: str, image, outputs: Mapping[str, Any], span: list[int]) -> None:
         """The model gives one feature row per merged patch of the size the processor resizes to."""
@@ -87,7 +105,10 @@ class Mistral3InputProcessor:
 
     # ------------------------------------------------------------------ at scheduling time
     def mm_item_inputs(self, item: SpanItem) -> MultiModalKwargs:
-        """{"pixel_values": [1, 3, H, W], "image_sizes": [1, 2] (H, W), "span_ids": [L]}."""
+        """{"pixel_values": [1, 3, H, W], "image_sizes": [1, 2] (H, W), "span_ids": [L]}
+        (given embeddings: {"image_embeds": [n, hidden], "span_ids": [L]})."""
+        if isinstance(item, GivenSpanItem):
+            return given_item_inputs(item)
         rep, out = call_processor(self.hf_processor, "image", [item.frames[0].to_pil()], {}, item.where)
         if self.tokenizer(rep.text, add_special_tokens=False).input_ids != item.span_ids:
             raise ValueError(f"{item.where}: the processor wrote a different span for the image's pixels than for "

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
+
 
 @dataclass(frozen=True)
 class OptionRule:
@@ -47,3 +49,16 @@ def check_min_le_max(where: str, kwargs: Mapping[str, Any], low: str, high: str)
     """A range given as two options (min_pixels / max_pixels, min_patches / max_patches)."""
     if low in kwargs and high in kwargs and kwargs[low] > kwargs[high]:
         raise ValueError(f"{where}: got {low}={kwargs[low]} > {high}={kwargs[high]}; expected {low} <= {high}")
+
+
+def integer_table(where: str, name: str, table: Any, meaning: str) -> list[list[int]]:
+    """A given `[N, k]` integer tensor beside image embeddings (`image_grid_thw`, `image_sizes`;
+    a single row may be 1-D) as rows of ints; `meaning` names the k columns, e.g. "t, h, w"."""
+    width = len(meaning.split(","))
+    if table.dtype.is_floating_point or table.dtype == torch.bool or table.is_complex():
+        raise TypeError(f"{where}['{name}']: got dtype {table.dtype}; expected an integer tensor")
+    rows = table.unsqueeze(0) if table.dim() == 1 else table
+    if rows.dim() != 2 or rows.shape[1] != width or rows.shape[0] == 0:
+        raise ValueError(f"{where}['{name}']: got shape {tuple(table.shape)}; expected [N, {width}] "
+                         f"({meaning} per image)")
+    return [[int(v) for v in row] for row in rows.tolist()]

@@ -30,6 +30,7 @@ import torch
 
 from mmkit.multimodal.hashing import embeds_content_hash
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.mm_kwargs import integer_table
 
 _FIELDS = ("image_grid_thw",)
 
@@ -76,15 +77,7 @@ def given_image_items(where: str, parsed: ParsedPrompt, merge_size: int, hidden_
     if "image_grid_thw" not in fields:
         raise ValueError(f"{where}: got image embeddings without 'image_grid_thw'; expected "
                          "{'image_embeds': [tokens, width], 'image_grid_thw': [N, 3]} (the image processor's grid)")
-    grid = fields["image_grid_thw"]
-    if grid.dtype.is_floating_point or grid.dtype == torch.bool or grid.is_complex():
-        raise TypeError(f"{where}['image_grid_thw']: got dtype {grid.dtype}; expected an integer tensor")
-    if grid.dim() == 1:
-        grid = grid.unsqueeze(0)
-    if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
-        raise ValueError(f"{where}['image_grid_thw']: got shape {tuple(fields['image_grid_thw'].shape)}; "
-                         "expected [N, 3] (t, h, w per image)")
-    rows = grid.tolist()
+    rows = integer_table(where, "image_grid_thw", fields["image_grid_thw"], "t, h, w")
     for i, (t, h, w) in enumerate(rows):
         if t < 1 or h < 1 or w < 1 or h % merge_size or w % merge_size:
             raise ValueError(f"{where}['image_grid_thw'][{i}]: got {[t, h, w]}; expected positive t, h, w with h "

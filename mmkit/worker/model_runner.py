@@ -242,7 +242,7 @@ class ModelRunner:
             item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
         if item_inputs:
             embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
-            self.num_vision_calls += len(item_inputs)
+            self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)  # given rows: no tower
             fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
         for e in sched.encoder_inputs:
             got = fresh[e.key].shape[0]

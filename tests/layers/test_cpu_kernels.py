@@ -72,7 +72,11 @@ def test_decode_kernel_property(lens, block_size, group, dim, seed):
     q, k_cache, v_cache, meta = _decode_problem(lens, 2 * group, 2, dim, block_size, torch.float32, seed=seed)
     out = _kernel(q, k_cache, v_cache, meta, 0.25)
     ref = decode_attention_torch(q, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+    # NOTE: float32 sums in another order: the AVX2 items (8-key chunks) differ from torch by up
+    # to 2.7e-6 on unit-scale values over 200 seeds of one shape (the same before and after the
+    # 2026-12-06 changes); 2e-6 let hypothesis find such a case now and then. 1e-5 still fails
+    # any real indexing or masking error by orders of magnitude.
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
 @needs_kernels

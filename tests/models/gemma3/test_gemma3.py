@@ -249,8 +249,8 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         ({"prompt": P1}, r"inputs\[1\]: the prompt has 1 <start_of_image> placeholder\(s\) for 0 image\(s\)"),
         ({"prompt": P1, "multi_modal_data": {"video": [IMG1, IMG1]}},
          r"inputs\[1\]\.multi_modal_data: got a 'video'; Gemma3ForConditionalGeneration takes images only"),
-        ({"prompt": P1, "multi_modal_data": {"image_embeds": torch.zeros(1, 16, 64)}},
-         "image embeddings are not supported"),
+        ({"prompt": P1, "multi_modal_data": {"image_embeds": torch.zeros(1, 15, 64)}},
+         r"inputs\[1\]\.multi_modal_data\['image_embeds'\]: got shape \(1, 15, 64\); expected \[1, \d+, \d+\]"),
     ]
     for item, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -104,7 +104,7 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
          r"inputs\[1\]\.mm_processor_kwargs: .*takes no processor options"),
         ({"prompt": P1, "multi_modal_data": {"video": [IMG1, IMG1]}}, r"inputs\[1\]\.multi_modal_data: got a 'video'"),
         ({"prompt": P1, "multi_modal_data": {"image_embeds": torch.zeros(1, 8, 64)}},
-         "image embeddings are not supported"),
+         r"inputs\[1\]\.multi_modal_data\.image\[0\]: got image embeddings without 'image_sizes'"),
     ]
     for item, match in bad:
         with pytest.raises(ValueError, match=match):
