@@ -26,10 +26,11 @@ from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.processors.replacements import ReplacementProbe, call_processor, check_feature_rows, expand_text
-from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
-from mmkit.processors.spans import (SpanItem, check_text_placeholders, checked_token_ids,
-                                    expand_token_ids_keeping_spans)
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.span_embeds_input import (GivenSpanItem, given_item_inputs, given_span_embeds,
+                                              sized_or_one_view)
+from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 
 # Gemma3Processor's image options (vLLM's `mm_processor_kwargs` for Gemma 3).
 ALLOWED_MM_PROCESSOR_KWARGS = {"do_pan_and_scan": BOOL, "pan_and_scan_min_crop_size": POSITIVE_INT,
@@ -94,15 +95,10 @@ class Gemma3InputProcessor:
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
         given = None
         if parsed.image_embeds is not None:
-            def replacement(at: str, size: tuple[int, int] | None):
-                # Without a size: one view (no pan-and-scan crops), on a blank image of any size.
-                height, width = size or (32, 32)
-                return self.probe.replacement("image", width, height, 1,
-                                              options if size else {**options, "do_pan_and_scan": False}, at)
-
             given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
                                       max_images=self.max_images, image_token_id=self.image_token_id,
-                                      tokenizer=self.tokenizer, replacement=replacement)
+                                      tokenizer=self.tokenizer,
+                                      replacement=sized_or_one_view(self.probe, options, {"do_pan_and_scan": False}))
             num_images = len(given)
         else:
             if parsed.num_images > self.max_images:
@@ -122,7 +118,7 @@ class Gemma3InputProcessor:
             exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
         else:
             ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
-            exp = expand_token_ids_keeping_spans(self.hf_processor, self.tokenizer, where, ids, {"image": reps})
+            exp = expand_token_ids(self.hf_processor, self.tokenizer, where, ids, {"image": reps})
         items = []
         for (_, k), rng in zip(exp.order, exp.ranges):
             if given is not None:  # its rows were checked against the span's soft tokens

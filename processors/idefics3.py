@@ -23,10 +23,11 @@ from mmkit.models.interfaces import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.processors.replacements import ReplacementProbe, call_processor, check_feature_rows, expand_text
-from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
-from mmkit.processors.spans import (SpanItem, check_text_placeholders, checked_token_ids,
-                                    expand_token_ids_keeping_spans)
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.span_embeds_input import (GivenSpanItem, given_item_inputs, given_span_embeds,
+                                              sized_or_one_view)
+from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 from mmkit.multimodal.video import parse_videos
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
@@ -103,15 +104,10 @@ class Idefics3InputProcessor:
                    **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
         given = None
         if parsed.image_embeds is not None:
-            def replacement(at: str, size: tuple[int, int] | None):
-                # Without a size: the global view alone, on a blank image of any size.
-                height, width = size or (32, 32)
-                return self.probe.replacement("image", width, height, 1,
-                                              options if size else {**options, "do_image_splitting": False}, at)
-
             given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
                                       max_images=self.max_items["image"], image_token_id=self.image_token_id,
-                                      tokenizer=self.tokenizer, replacement=replacement)
+                                      tokenizer=self.tokenizer,
+                                      replacement=sized_or_one_view(self.probe, options, {"do_image_splitting": False}))
         videos = []
         if parsed.video_data is not None:
             if self.video_processor is None:  # a SmolVLM checkpoint saved without its video processor
@@ -143,7 +139,7 @@ class Idefics3InputProcessor:
             exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, reps)
         else:
             ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
-            exp = expand_token_ids_keeping_spans(self.hf_processor, self.tokenizer, where, ids, reps)
+            exp = expand_token_ids(self.hf_processor, self.tokenizer, where, ids, reps)
         items = []
         for (m, k), rng in zip(exp.order, exp.ranges):
             if m == "image" and given_reps is not None:  # its rows were checked against the span

@@ -31,7 +31,7 @@ from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_option
 from mmkit.multimodal.video import parse_videos
 from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
 from mmkit.processors.replacements import (Replacement, ReplacementProbe, call_processor, check_feature_rows,
-                                           expand_text, expand_token_ids, feature_run)
+                                           check_placeholder_counts, expand_text, expand_token_ids, feature_run)
 from mmkit.processors.spans import checked_token_ids
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
@@ -161,11 +161,8 @@ class Qwen2VLInputProcessor:
                              f"below {limit}: use a larger fps or fewer frames")
 
     def _check_counts(self, where: str, found: Mapping[str, int], given: Mapping[str, list]) -> None:
-        if all(found[m] == len(items) for m, items in given.items()):
-            return
-        parts = [f"{found[m]} {self.token_names[m]} placeholder(s) for {len(items)} {m}(s)"
-                 for m, items in given.items()]
-        raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + "; expected one placeholder per item")
+        check_placeholder_counts(where, found, {m: len(items) for m, items in given.items()}, self.token_names,
+                                 by_token=True)
 
     def _mrope_items(self, ranges: list[PlaceholderRange], ordered: list[VisionItem]) -> list[MRopeItem]:
         return [MRopeItem(off, n, self._merged_grid(item), item.time_interval) for (off, n), item in zip(ranges, ordered)]

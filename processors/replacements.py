@@ -187,20 +187,29 @@ def _token_bounds(encoding, start: int, end: int) -> tuple[int, int]:
 
 def _check_counts(where: str, found: Mapping[str, int], replacements: Mapping[str, Sequence[Replacement]],
                   hf_processor: Any) -> None:
-    if all(found[m] == len(replacements[m]) for m in replacements):
+    check_placeholder_counts(where, found, {m: len(reps) for m, reps in replacements.items()},
+                             {m: placeholder_token(hf_processor, m) for m in replacements})
+
+
+def check_placeholder_counts(where: str, found: Mapping[str, int], given: Mapping[str, int],
+                             tokens: Mapping[str, str], by_token: bool = False) -> None:
+    """One placeholder per item, per modality: else a ValueError counting both, each modality
+    named by itself ("2 image placeholder(s)") or, `by_token`, by its token ("2 <image> ...")."""
+    if all(found[m] == given[m] for m in given):
         return
-    parts = [f"{found[m]} {m} placeholder(s) for {len(reps)} {m}(s)" for m, reps in replacements.items()
-             if found[m] or reps]
-    tokens = " or ".join(placeholder_token(hf_processor, m) for m in replacements)
-    raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + f"; expected one placeholder ({tokens}) "
-                     "per item")
+    parts = [f"{found[m]} {tokens[m] if by_token else m} placeholder(s) for {given[m]} {m}(s)" for m in given
+             if found[m] or given[m]]
+    raise ValueError(f"{where}: the prompt has " + " and ".join(parts) + f"; expected one placeholder "
+                     f"({' or '.join(tokens[m] for m in given)}) per item")
 
 
 def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequence[int],
                      replacements: Mapping[str, Sequence[Replacement]], allow_expanded: bool = True) -> Expansion:
     """A token-id prompt expanded as the processor expands the same text: each placeholder id,
     with the special tokens right around it, replaced by the processor's text tokenized without
-    special tokens; with `allow_expanded`, a span already written out in full is kept."""
+    special tokens; with `allow_expanded`, the next item's span already written out in full is
+    kept wherever it starts (Idefics3's spans begin with `<fake_token_around_image>`, Gemma 3's
+    with the newlines before `<start_of_image>`, not with the placeholder)."""
     placeholder_ids = {tokenizer.convert_tokens_to_ids(placeholder_token(hf_processor, m)): m for m in replacements}
     special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(tokenizer.all_special_ids)
     queues = {m: list(enumerate(reps)) for m, reps in replacements.items()}
@@ -208,8 +217,21 @@ def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequenc
     out: list[int] = []
     ranges: list[PlaceholderRange] = []
     order: list[tuple[str, int]] = []
+    bare = {m: [_tokens(tokenizer, rep.text) for rep in reps] for m, reps in replacements.items()} \
+        if allow_expanded else {}
     i = 0
     while i < len(ids):
+        written = next((m for m in bare if queues[m] and len(span := bare[m][queues[m][0][0]]) > 1
+                        and ids[i] == span[0] and list(ids[i:i + len(span)]) == span), None)
+        if written is not None:  # the next item's span, as the processor writes it
+            found[written] += 1
+            index, _ = queues[written].pop(0)
+            span = bare[written][index]
+            ranges.append(PlaceholderRange(len(out), len(span)))
+            order.append((written, index))
+            out.extend(span)
+            i += len(span)
+            continue
         modality = placeholder_ids.get(ids[i])
         if modality is None:
             out.append(ids[i])
@@ -219,13 +241,6 @@ def expand_token_ids(hf_processor: Any, tokenizer: Any, where: str, ids: Sequenc
         if not queues[modality]:
             _check_counts(where, _count_placeholders(ids, placeholder_ids, replacements), replacements, hf_processor)
         index, rep = queues[modality].pop(0)
-        bare = _tokens(tokenizer, rep.text)
-        if allow_expanded and len(bare) > 1 and list(ids[i:i + len(bare)]) == bare:
-            ranges.append(PlaceholderRange(len(out), len(bare)))
-            order.append((modality, index))
-            out.extend(bare)
-            i += len(bare)
-            continue
         # The window: the placeholder and the special tokens right around it (not inside an
         # earlier item's span, not another placeholder), expanded as text by the processor.
         floor = ranges[-1].offset + ranges[-1].length if ranges else 0

@@ -60,6 +60,17 @@ class GivenSpan:
     size: tuple[int, int] | None
 
 
+def sized_or_one_view(probe: Any, options: dict[str, Any], one_view: dict[str, Any]
+                      ) -> Callable[[str, tuple[int, int] | None], Replacement]:
+    """The probe for a family whose given image may come without a size: with `image_sizes`, the
+    image's own layout under the request's options; without, one view (`one_view` turns the
+    family's tiling or cropping off), which a blank image of any size gives."""
+    def replacement(where: str, size: tuple[int, int] | None) -> Replacement:
+        height, width = size or (32, 32)
+        return probe.replacement("image", width, height, 1, options if size else {**options, **one_view}, where)
+    return replacement
+
+
 def given_span_embeds(where: str, parsed: ParsedPrompt, *, name: str, hidden_size: int, max_images: int,
                       image_token_id: int, tokenizer: Any,
                       replacement: Callable[[str, tuple[int, int] | None], Replacement]) -> list[GivenSpan]:

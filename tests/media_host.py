@@ -12,6 +12,7 @@ import io
 import threading
 import time
 
+import pytest
 from PIL import Image
 
 TRICKLE_EVERY_S = 0.2
@@ -69,7 +70,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             while not stop.is_set():
                 self.wfile.write(piece)
                 self.wfile.flush()
-                time.sleep(TRICKLE_EVERY_S)
+                stop.wait(TRICKLE_EVERY_S)  # the pace of the trickle; ends at once when the test is done
         except OSError:
             pass  # the client hung up: what the tests want
 
@@ -126,3 +127,20 @@ def bounded(fn, limit_s: float):
     elapsed = time.monotonic() - start
     assert not thread.is_alive(), f"still running after {limit_s} s: the fetch timeout did not bound it"
     return box["value"], elapsed
+
+
+# Fixtures for the test modules that import them (`from media_host import host, media_dir`).
+@pytest.fixture(scope="module")
+def host():
+    """A local media server for the module's tests."""
+    with MediaHost() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    """The allowed local media folder: small.png and large.png."""
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "small.png").write_bytes(SMALL_PNG)
+    (folder / "large.png").write_bytes(LARGE_PNG)
+    return folder

@@ -7,25 +7,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import get_llm
-from media_host import LARGE_PNG, MAX_FETCH, SMALL_PNG, MediaHost, bounded
+from media_host import LARGE_PNG, MAX_FETCH, SMALL_PNG, bounded, host, media_dir  # noqa: F401 - fixtures
 from mmkit import SamplingParams
 
 TIMEOUT = 1.0
 BOUND = TIMEOUT + 15.0
 GREEDY = SamplingParams(temperature=0, max_tokens=2)
-
-
-@pytest.fixture(scope="module")
-def host():
-    with MediaHost() as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat_media")
-    (folder / "small.png").write_bytes(SMALL_PNG)
-    return folder
 
 
 @pytest.fixture(scope="module")

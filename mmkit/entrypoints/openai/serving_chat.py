@@ -15,7 +15,7 @@ from mmkit.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletio
                                                ChatCompletionRequest, ChatCompletionResponse,
                                                ChatCompletionStreamChoice, ChatMessage, ChatTokenLogprob,
                                                DeltaMessage, TopLogprob, now, random_id)
-from mmkit.entrypoints.openai.serving_engine import (MAX_TOP_LOGPROBS, ClientDisconnected, OpenAIServing,
+from mmkit.entrypoints.openai.serving_engine import (MAX_TOP_LOGPROBS, OpenAIServing,
                                                     RequestTimer, request_error,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
@@ -45,12 +45,7 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._stream(request_id, request, first, stream, timer, include_usage,
                                                   top_logprobs),
                                      media_type="text/event-stream")
-        try:
-            final = await self.until_disconnect(raw_request, self.last_output(first, stream, timer))
-        except ClientDisconnected:
-            timer.finish("disconnected")
-            raise
-        timer.finish("ok")
+        final = await self.whole_answer(raw_request, self.last_output(first, stream, timer), timer)
         choices = [ChatCompletionChoice(
             index=c.index, message=ChatMessage(role="assistant", content=c.text),
             logprobs=self._logprobs(c, 0, len(c.token_ids), top_logprobs) if top_logprobs is not None else None,

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mmkit.entrypoints.openai.errors import OpenAIError
 from mmkit.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                CompletionResponse, now, random_id)
-from mmkit.entrypoints.openai.serving_engine import (MAX_COMPLETION_LOGPROBS, ClientDisconnected, OpenAIServing,
+from mmkit.entrypoints.openai.serving_engine import (MAX_COMPLETION_LOGPROBS, OpenAIServing,
                                                     RequestTimer, request_error,
                                                     finish_reason as _finish_reason, finite as _finite)
 from mmkit.entrypoints.openai.streaming import StreamState, sse, sse_done, sse_error
@@ -62,13 +62,8 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(request_id, request, started, echoes, timer, include_usage),
                                      media_type="text/event-stream")
-        try:
-            finals = await self.until_disconnect(raw_request, asyncio.gather(
-                *(self.last_output(first, stream, timer) for first, stream in started)))
-        except ClientDisconnected:
-            timer.finish("disconnected")
-            raise
-        timer.finish("ok")
+        finals = await self.whole_answer(raw_request, asyncio.gather(
+            *(self.last_output(first, stream, timer) for first, stream in started)), timer)
         choices = []
         for i, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):

@@ -198,6 +198,17 @@ class OpenAIServing:
             raise ClientDisconnected()
         return work.result()
 
+    async def whole_answer(self, raw_request: Any, coro: Awaitable[T], timer: RequestTimer) -> T:
+        """`until_disconnect` for a non-streamed answer, with the request's timer finished as
+        "ok" or "disconnected" (every endpoint's metrics count both the same way)."""
+        try:
+            result = await self.until_disconnect(raw_request, coro)
+        except ClientDisconnected:
+            timer.finish("disconnected")
+            raise
+        timer.finish("ok")
+        return result
+
     @staticmethod
     def usage(outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)

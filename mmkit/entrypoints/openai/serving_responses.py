@@ -24,7 +24,7 @@ from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.entrypoints.openai.errors import OpenAIError, bad_request
 from mmkit.entrypoints.openai.protocol import (IncompleteDetails, ResponseObject, ResponseOutputMessage,
                                                ResponseOutputText, ResponsesRequest, ResponseUsage, now)
-from mmkit.entrypoints.openai.serving_engine import (ClientDisconnected, OpenAIServing, RequestTimer,
+from mmkit.entrypoints.openai.serving_engine import (OpenAIServing, RequestTimer,
                                                     request_error)
 from mmkit.entrypoints.openai.streaming import StreamState
 from mmkit.outputs import RequestOutput
@@ -57,12 +57,7 @@ class OpenAIServingResponses(OpenAIServing):
         shell = self._shell(request, params, response_id)
         if request.stream:
             return StreamingResponse(self._stream(shell, first, stream, timer), media_type="text/event-stream")
-        try:
-            final = await self.until_disconnect(raw_request, self.last_output(first, stream, timer))
-        except ClientDisconnected:
-            timer.finish("disconnected")
-            raise
-        timer.finish("ok")
+        final = await self.whole_answer(raw_request, self.last_output(first, stream, timer), timer)
         return JSONResponse(_finished(shell, final, new_id("msg")).model_dump())
 
     # ------------------------------------------------------------------ request -> engine input

@@ -9,25 +9,11 @@ import time
 import httpx
 import pytest
 
-from media_host import LARGE_PNG, MAX_FETCH, SMALL_PNG, MediaHost
+from media_host import MAX_FETCH, SMALL_PNG, host, media_dir  # noqa: F401 - fixtures
 from serve_utils import ServerProcess
 
 TIMEOUT = 1.5
 BOUND = TIMEOUT + 15.0
-
-
-@pytest.fixture(scope="module")
-def host():
-    with MediaHost() as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve_media")
-    (folder / "small.png").write_bytes(SMALL_PNG)
-    (folder / "large.png").write_bytes(LARGE_PNG)
-    return folder
 
 
 @pytest.fixture(scope="module")
