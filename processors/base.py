@@ -10,7 +10,7 @@ import torch
 
 from mmkit.multimodal.items import MultiModalItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 
 
 @dataclass

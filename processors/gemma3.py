@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options

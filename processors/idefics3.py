@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
 from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.models.internvl import tokens_per_tile
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max

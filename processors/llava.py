@@ -14,7 +14,7 @@ import torch
 
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.models.registry import get_model_class
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.replacements import (Replacement, ReplacementProbe, check_feature_rows, count_tokens,

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
                                            expand_token_ids)

@@ -23,7 +23,7 @@ import torch
 
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem
 from mmkit.processors.qwen2_vl import Qwen2VLInputProcessor, VisionItem
 from mmkit.processors.replacements import Replacement, check_feature_rows

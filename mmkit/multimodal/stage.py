@@ -22,7 +22,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence
 
-from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.items import MultiModalItem
 from mmkit.multimodal.prefetcher import MultiModalPrefetcher
 
