@@ -180,6 +180,36 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def has_unfinished_request(self, request_id: str) -> bool:
+        """Whether the engine still holds `request_id` (added, not yet finished or aborted)."""
+        return request_id in self.scheduler.requests
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting): requests with a sequence in the running set, and the rest."""
+        requests = len(self.scheduler.requests)
+        running = len({seq.group.request_id for seq in list(self.scheduler.running)})
+        return running, max(requests - running, 0)
+
+    # ------------------------------------------------------------------ what callers may ask
+    # Entry points (LLM.chat, the server, eval, Ray rows, lmms-eval) ask these instead of
+    # reaching into `input_processor`: the processor is the engine's to own.
+    def chat_processor(self) -> Any:
+        """What renders a chat template: the checkpoint's HF processor, else its tokenizer."""
+        return self.input_processor.hf_processor or self.tokenizer
+
+    @property
+    def supported_modalities(self) -> tuple[str, ...]:
+        """The modalities this model's processor accepts ("image", "video")."""
+        return supported_modalities(self.input_processor)
+
+    @property
+    def has_video_processor(self) -> bool:
+        """Whether the processor can take a video (its HF video processor is loaded)."""
+        return getattr(self.input_processor, "video_processor", None) is not None
+
     def take_request_errors(self) -> dict[str, BaseException]:
         """Requests that ended with an error since the last call (their final outputs, with
         finish_reason "abort", came from `step`)."""

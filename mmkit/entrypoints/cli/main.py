@@ -133,7 +133,7 @@ def question_inputs(llm, image, question: str) -> dict:
     """A user turn with the image then the question, rendered with the model's chat template."""
     from mmkit.entrypoints.chat_utils import conversations_to_inputs
 
-    processor = llm.llm_engine.input_processor.hf_processor or llm.get_tokenizer()
+    processor = llm.llm_engine.chat_processor()
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
     return conversations_to_inputs(processor, messages)[0]
 

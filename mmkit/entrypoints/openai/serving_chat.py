@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
     def _render(self, request: ChatCompletionRequest) -> dict[str, Any]:
         """Messages -> one `generate` input (prompt text + images), as `LLM.chat` builds it."""
         messages = [self._load_images(m, message) for m, message in enumerate(request.messages)]
-        processor = self.engine.engine.input_processor.hf_processor or self.tokenizer
+        processor = self.engine.engine.chat_processor()
         try:
             return conversations_to_inputs(processor, messages, self.config.chat_template,
                                            request.add_generation_prompt)[0]

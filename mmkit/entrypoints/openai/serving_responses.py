@@ -80,7 +80,7 @@ class OpenAIServingResponses(OpenAIServing):
     def _render(self, request: ResponsesRequest) -> dict[str, Any]:
         """`instructions` + `input` -> one `generate` input (prompt text + images), as `LLM.chat` builds it."""
         messages = self._messages(request)
-        processor = self.engine.engine.input_processor.hf_processor or self.tokenizer
+        processor = self.engine.engine.chat_processor()
         try:
             return conversations_to_inputs(processor, messages, self.config.chat_template, True)[0]
         except (ValueError, TypeError) as exc:
