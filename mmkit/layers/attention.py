@@ -24,16 +24,16 @@ Attention variants, per layer (a family only declares them; see `mmkit/layers/sl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels
 
 # `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
-_PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
+_PAGED_PREFILL = envs.MMKIT_PAGED_PREFILL
 # Chunks with longer contexts keep SDPA: the kernel's per-thread scratch (the tile's context
 # in float32, three copies) grows with the context. Up to here it was measured ahead of SDPA:
 # 0.26-0.48x its time from 64 to 8192 keys, 2 threads, bf16 and float32

@@ -26,10 +26,10 @@ Anything else returns None and the modules run as before. `MMKIT_DECODE_STACK=0`
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from mmkit import envs
 from mmkit.layers import attention, cpu_kernels, fused_f32, quant_panels
 from mmkit.layers.attention import AttentionMetadata, _decode_view, _rows_view
 from mmkit.layers.norms import RMSNorm
@@ -64,7 +64,7 @@ class _Step(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get("MMKIT_DECODE_STACK", "1") != "0"
+    return envs.MMKIT_DECODE_STACK
 
 
 def _linear_record(mod: torch.nn.Module, dtype: torch.dtype) -> tuple[_Linear, int | None, tuple] | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from mmkit import envs
 
 
 def _limit_mm(value: str) -> dict[str, int]:
@@ -54,7 +55,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    g.add_argument("--api-key", default=os.environ.get("MMKIT_API_KEY"),
+    g.add_argument("--api-key", default=envs.MMKIT_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health (env MMKIT_API_KEY)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="image_url may name local files (paths or file://) under DIR only (default: none)")
