@@ -15,6 +15,7 @@ import torch
 from mmkit.config import EngineConfig
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
+from mmkit.layers.attention_backend import attach_backend, select_attention_backend
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.multimodal.stage import MultiModalInputStage
@@ -54,6 +55,7 @@ class ModelRunner:
         self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size,
                                             preallocate=config.cache.kv_cache_preallocate)
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend)
         self.sampler = Sampler()
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
@@ -215,6 +217,7 @@ class ModelRunner:
             # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
             block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
+        attach_backend(meta, self.attention_backend, self.num_blocks)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items

@@ -235,7 +235,9 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
         quantization=getattr(args, "quantization", None),
-        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False))
+        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False),
+        enforce_eager=getattr(args, "enforce_eager", False),
+        attention_backend=getattr(args, "attention_backend", "auto"))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return kwargs
