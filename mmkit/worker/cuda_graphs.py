@@ -213,3 +213,71 @@ class GraphRunner:
             graph.replay()
             return out[:num_decodes]
         return self.forward(padded)[:num_decodes]
+
+
+def uses_decode_graphs(config, attention_backend: str, runner) -> bool:
+    """Graphs for decode steps: CUDA, the flex backend, not `enforce_eager`, and a model whose
+    decode step is plain 1-D positions (M-RoPE and DeepStack models run eagerly)."""
+    return (config.model.device.type == "cuda" and attention_backend == "flex" and not config.enforce_eager
+            and not runner.uses_mrope and runner.embed_width_factor == 1)
+
+
+class DecodeGraphs:
+    """The runner's decode steps through `DecodeBuffers` and `GraphRunner`.
+
+    `try_run(order)` takes a step whose chunks are all single-token decodes and that fits the
+    largest captured size, and returns the hidden states of its rows; any other step returns
+    None and runs eagerly. Needs the null block: the runner's caches hold `num_blocks + 1`."""
+
+    def __init__(self, runner, sizes: list[int] | None = None) -> None:
+        from mmkit.layers.attention_backend import compiled_flex_attention
+
+        config = runner.config
+        mc = config.model
+        self.runner = runner
+        self.sizes = sizes or capture_sizes(config.scheduler.max_num_seqs)
+        bs = runner.block_size
+        cache_blocks = runner.kv_caches[0][0].shape[1]
+        if cache_blocks != runner.num_blocks + 1:
+            raise ValueError(f"decode graphs: the KV cache holds {cache_blocks} blocks; expected num_blocks + 1 "
+                             f"= {runner.num_blocks + 1} (the null block)")
+        windows = tuple(sorted({w or 0 for w in mc.layer_sliding_windows} or {0}))
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-mc.max_model_len // bs), bs, cache_blocks, runner.num_blocks,
+                                     runner.device, windows)
+        self._metas = {s: self.buffers.flex_metadata(s) for s in self.sizes}
+        self._attend = compiled_flex_attention() if runner.device.type == "cuda" else None
+        self.graph_runner = GraphRunner(self.sizes, self._forward, runner.device)
+
+    @classmethod
+    def enable(cls, runner, sizes: list[int] | None = None) -> "DecodeGraphs":
+        """Graphs on a runner built without them (before any request): the caches get the null
+        block. The CPU tests use it to run the stand-in inside a real engine."""
+        from mmkit.worker.kv_cache import allocate_kv_caches
+
+        runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_blocks + 1, runner.block_size)
+        runner.decode_graphs = cls(runner, sizes)
+        runner.decode_graphs.capture()
+        return runner.decode_graphs
+
+    def capture(self) -> None:
+        self.graph_runner.capture()
+
+    def _forward(self, padded: int) -> torch.Tensor:
+        from mmkit.layers.attention import AttentionMetadata
+        from mmkit.layers.attention_backend import FlexAttend
+
+        buf, model = self.buffers, self.runner.model
+        meta = AttentionMetadata(slot_mapping=buf.slot_mapping[:padded], num_decode_tokens=padded,
+                                 block_size=buf.block_size)
+        meta.attend = FlexAttend(self._metas[padded], attend=self._attend)
+        embeds = model.embed_tokens(buf.input_ids[:padded])
+        return model(embeds, buf.positions[:padded], self.runner.kv_caches, meta)
+
+    def try_run(self, order) -> torch.Tensor | None:
+        """[num_decodes, hidden] for a decode-only step that fits, else None (run it eagerly)."""
+        if not order or len(order) > self.sizes[-1] or any(c.end - c.start != 1 for c in order):
+            return None
+        seq_ids = [c.state.seq_id for c in order]
+        update = self.buffers.update(seq_ids, [c.state.token_ids[c.start] for c in order], [c.start for c in order],
+                                     [c.state.block_table for c in order], self.sizes)
+        return self.graph_runner.run(update.num_decodes, update.padded)

@@ -97,7 +97,7 @@ def test_decode_attention_through_the_buffers_equals_reference(window):
     k_cache = torch.randn(HKV, NUM_BLOCKS + 1, BS, D, generator=g)
     v_cache = torch.randn(HKV, NUM_BLOCKS + 1, BS, D, generator=g)
     tables = [[3, 7, 1], [5], [9, 2, 4, 11]]
-    positions = [9, 2, 13]
+    positions = [8, 3, 12]  # rows 0 and 2 start a new block; row 1 does at the second step
     fm = None
     for _ in range(2):
         buf.update([1, 2, 3], [0, 0, 0], positions, tables, SIZES)
@@ -112,7 +112,8 @@ def test_decode_attention_through_the_buffers_equals_reference(window):
         torch.testing.assert_close(got[:3], _reference(q, k_cache, v_cache, tables, positions, 0.4, window))
         assert torch.isfinite(got[3]).all()
         positions = [p + 1 for p in positions]
-        tables[1].append(12) if positions[1] // BS >= len(tables[1]) else None
+        if positions[1] // BS >= len(tables[1]):
+            tables[1].append(12)
 
 
 def test_graph_runner_stand_in_pads_and_counts():
@@ -155,3 +156,31 @@ def test_graph_replay_equals_eager_on_cuda():
     positions = [p + 1 for p in positions]
     buf.update([1, 2, 3], [0] * 3, positions, tables, SIZES)  # same addresses, new contents
     torch.testing.assert_close(runner.run(3, 4), forward(4)[:3])
+
+
+def test_engine_decode_steps_through_the_stand_in_equal_transformers(gqa_tied_ckpt):
+    """A real engine (flex backend on CPU) whose decode steps run through DecodeGraphs' buffers and
+    the stand-in GraphRunner: greedy ids equal transformers', padded sizes were used, and prefill
+    steps stayed eager."""
+    from conftest import hf_greedy, make_image
+    from mmkit import LLM, SamplingParams
+
+    llm = LLM(str(gqa_tied_ckpt), dtype="float32", attention_backend="flex", num_kv_blocks=40, max_num_seqs=3)
+    runner = llm.llm_engine.model_runner
+    assert runner.decode_graphs is None  # CPU: eager unless enabled by hand
+    graphs = type_graphs().enable(runner)
+    assert graphs.sizes == [1, 2, 3] and runner.kv_caches[0][0].shape[1] == 41
+    prompt = "USER: <image>\nWhat is in the image? ASSISTANT:"
+    imgs = [make_image(1), make_image(2), make_image(3)]
+    inputs = [{"prompt": prompt, "multi_modal_data": {"image": im}} for im in imgs]
+    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for out, im in zip(outs, imgs):
+        assert out.outputs[0].token_ids == hf_greedy(gqa_tied_ckpt, prompt=prompt, images=im, max_new_tokens=10)
+    assert sum(graphs.graph_runner.num_replays.values()) >= 9
+    assert graphs.graph_runner.num_replays[3] > 0
+
+
+def type_graphs():
+    from mmkit.worker.cuda_graphs import DecodeGraphs
+
+    return DecodeGraphs
