@@ -25,6 +25,7 @@ from mmkit.worker.block_table import BlockTables
 from mmkit.worker.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
@@ -54,7 +55,9 @@ class ModelRunner:
         self.uses_mrope = uses_mrope(self.model)
         self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
         self.attention_backend = select_attention_backend(self.device, config.attention_backend)
-        self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
+        self.memory_profile = None  # CUDA: the profiling run's figures (worker/memory_profiler.py)
+        self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
+                           else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
         graphs = uses_decode_graphs(config, self.attention_backend, self)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
                                             preallocate=config.cache.kv_cache_preallocate)
