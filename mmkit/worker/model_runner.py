@@ -16,6 +16,7 @@ from mmkit.config import EngineConfig
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
 from mmkit.layers.attention_backend import attach_backend, select_attention_backend
+from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.multimodal.stage import MultiModalInputStage
@@ -61,7 +62,7 @@ class ModelRunner:
         graphs = uses_decode_graphs(config, self.attention_backend, self)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
                                             preallocate=config.cache.kv_cache_preallocate)
-        self.sampler = Sampler()
+        self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
@@ -185,12 +186,13 @@ class ModelRunner:
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids)]
+        position = len(state.token_ids)
+        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids, position)]
         # Pending forks (n > 1) draw their first token from the same logits row, each with
         # its own generator, kept for when the fork arrives as a new sequence.
         for child_id, seed in state.pending_forks:
             generator = self._fork_generators[child_id] = self._make_generator(seed)
-            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids))
+            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids, position))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
