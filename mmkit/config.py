@@ -103,6 +103,11 @@ class EngineConfig:
     # Images of waiting requests preprocessed on worker threads, at most this many ahead
     # (mmkit/multimodal/prefetcher.py); 0 = on the engine thread at scheduling time.
     preprocess_lookahead: int = 0
+    # CUDA: run every decode step eagerly instead of replaying captured CUDA graphs (vLLM's name).
+    enforce_eager: bool = False
+    # Which kernels read the paged cache (mmkit/layers/attention_backend.py): "auto" = "flex" on
+    # CUDA, "torch" (the CPU kernels) elsewhere.
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -154,6 +159,10 @@ class EngineArgs:
     image_fetch_timeout: float | None = None  # seconds for a WHOLE download
     max_image_fetch_bytes: int | None = None
     max_image_pixels: int | None = None  # width x height, from the header before decoding
+    # CUDA: no CUDA graphs (every decode step eager), as vLLM's `enforce_eager`; no effect on CPU.
+    enforce_eager: bool = False
+    # "auto" | "torch" | "flex" | "flashinfer" | "flash_attn" (docs/gpu.md).
+    attention_backend: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         from mmkit.plugins import load_plugins
@@ -188,6 +197,8 @@ class EngineArgs:
             tokenizer_path=str(self.tokenizer or model_path),
             mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
             preprocess_lookahead=self.preprocess_lookahead if self.async_preprocess else 0,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
         )
 
     def _validate(self) -> None:
@@ -200,7 +211,11 @@ class EngineArgs:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("preprocess_lookahead", self.preprocess_lookahead)
-        for name in ("async_preprocess", "kv_cache_preallocate"):
+        from mmkit.layers.attention_backend import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: got {self.attention_backend!r}; expected one of {list(BACKENDS)}")
+        for name in ("async_preprocess", "kv_cache_preallocate", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: got {type(getattr(self, name)).__name__}; expected bool")
         if isinstance(self.encoder_cache_memory, bool) or not isinstance(self.encoder_cache_memory, int) \

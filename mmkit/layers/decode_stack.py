@@ -163,6 +163,8 @@ class DecodeStack:
             meta: AttentionMetadata) -> torch.Tensor | None:
         """The final norm's output [num_tokens, hidden] for a step the stack can take, else None."""
         tokens = embeds.shape[0]
+        if meta.attend is not None:  # another attention backend was chosen for this step
+            return None
         if (tokens == 0 or embeds.dtype is not self.dtype or embeds.dim() != 2 or not embeds.is_cpu
                 or not embeds.is_contiguous() or (self.max_rows is not None and tokens > self.max_rows)
                 or type(rope) is not StepRope or not rope.use_kernel or not self._bind_caches(kv_caches)):

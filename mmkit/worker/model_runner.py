@@ -15,14 +15,18 @@ import torch
 from mmkit.config import EngineConfig
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
+from mmkit.layers.attention_backend import attach_backend, select_attention_backend
+from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
 from mmkit.worker.block_table import BlockTables
+from mmkit.worker.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 
@@ -51,14 +55,21 @@ class ModelRunner:
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
         self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
-        self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size,
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend)
+        self.memory_profile = None  # CUDA: the profiling run's figures (worker/memory_profiler.py)
+        self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
+                           else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
+        graphs = uses_decode_graphs(config, self.attention_backend, self)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
                                             preallocate=config.cache.kv_cache_preallocate)
-        self.sampler = Sampler()
+        self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
         self._init_batch_state()
+        self.decode_graphs = DecodeGraphs(self) if graphs else None  # CUDA graphs for decode steps
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture()
 
     def _init_batch_state(self) -> None:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
@@ -78,12 +89,14 @@ class ModelRunner:
             state = self.states[seq_id]
             chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
         order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
-        input_ids, positions, slots, meta = self._prepare(order)
-        if self.uses_mrope:
-            positions = self._mrope_positions(order)
-        embeds = self.model.embed_tokens(input_ids)
-        embeds = self._merge_multimodal(order, embeds)
-        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        hidden = self.decode_graphs.try_run(order) if self.decode_graphs is not None else None
+        if hidden is None:  # eager: every step on CPU, and prefill (or too large) steps on CUDA
+            input_ids, positions, slots, meta = self._prepare(order)
+            if self.uses_mrope:
+                positions = self._mrope_positions(order)
+            embeds = self.model.embed_tokens(input_ids)
+            embeds = self._merge_multimodal(order, embeds)
+            hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
         sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
         row = 0
@@ -156,6 +169,8 @@ class ModelRunner:
             for index, block_id in c.replaced_blocks:
                 state.block_table[index] = block_id
                 tables.replace(c.seq_id, index, block_id)
+            if c.replaced_blocks and self.decode_graphs is not None:
+                self.decode_graphs.buffers.invalidate(c.seq_id)
             state.block_table.extend(c.new_block_ids)
             tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
@@ -171,12 +186,13 @@ class ModelRunner:
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids)]
+        position = len(state.token_ids)
+        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids, position)]
         # Pending forks (n > 1) draw their first token from the same logits row, each with
         # its own generator, kept for when the fork arrives as a new sequence.
         for child_id, seed in state.pending_forks:
             generator = self._fork_generators[child_id] = self._make_generator(seed)
-            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids))
+            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids, position))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
@@ -215,6 +231,7 @@ class ModelRunner:
             # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
             block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
+        attach_backend(meta, self.attention_backend, self.kv_caches[0][0].shape[1])  # the null block too
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items

@@ -236,7 +236,9 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
         quantization=getattr(args, "quantization", None),
         model_impl=getattr(args, "model_impl", "auto"),
-        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False))
+        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False),
+        enforce_eager=getattr(args, "enforce_eager", False),
+        attention_backend=getattr(args, "attention_backend", "auto"))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     return kwargs

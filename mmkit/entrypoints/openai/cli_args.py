@@ -41,6 +41,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-preallocate", action="store_true",
                    help="CPU: commit the whole KV cache's memory at start-up, as vLLM's CPU backend does "
                         "(no page faults while serving; resident memory is the whole cache from the start)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flex", "flashinfer", "flash_attn"],
+                   help="kernels that read the paged KV cache (default auto: flex on CUDA, torch on CPU)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="exact number of KV cache blocks (CPU or GPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")

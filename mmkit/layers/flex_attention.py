@@ -1,0 +1,267 @@
+"""Paged attention on torch's FlexAttention, reading the paged KV cache in place.
+
+FlexAttention compiles to a Triton kernel on CUDA (and to C++ on CPU under `torch.compile`);
+called eagerly it runs torch's reference implementation of the same mask and score mods, so
+the CPU tests run exactly the metadata and mods the CUDA kernel reads.
+
+How the cache is read: the cache of one layer, `[num_kv_heads, num_blocks, block_size,
+head_dim]` (mmkit's heads-first layout, `attention.kv_cache_shape`), is viewed without a copy
+as one long "key sequence" `[1, num_kv_heads, num_blocks * block_size, head_dim]` of physical
+slots. A `BlockMask` whose KV tile is one cache block lists, for every tile of query rows, the
+physical blocks those rows read (`kv_indices`), so the kernel visits only live blocks; the
+`mask_mod` maps a physical slot back to the row's logical key position through
+`physical_to_logical[seq, block]` (-1 where the block is not the row's) and applies
+causality, the sliding window and bidirectional spans there.
+
+Two calls per layer and step, each with its own BlockMask (built once per step and window,
+shared by the layers):
+- decodes: query `[num_decodes, num_heads, 1, head_dim]`, one batch entry per sequence, the
+  cache broadcast as batch 1 (FlexAttention allows Bkv=1 with a block mask of batch Bq);
+- prefill chunks: every prefill token of the step as one flat query `[1, num_heads,
+  num_prefill_tokens, head_dim]`; a query tile lists the union of the blocks its rows read
+  (a tile straddling two chunks reads both chunks' blocks, masked per row).
+
+Variants: a sliding window W (keys in (p - W, p]) clips the listed blocks and the mask; a
+bidirectional span [lo, hi) lets its queries see every key of the span; soft-capping
+(`cap * tanh(score / cap)`) is a `score_mod`. Anything else is refused by name
+(`UnsupportedAttention`), never computed wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mmkit.layers.attention import AttentionMetadata
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - older torch
+    BlockMask = None  # type: ignore[assignment,misc]
+    flex_attention = None  # type: ignore[assignment]
+
+# Query rows per tile of the prefill BlockMask (the Triton kernel's sparse block; 128 is
+# FlexAttention's default). Decode calls have one query row per batch entry.
+PREFILL_Q_TILE = 128
+
+
+class UnsupportedAttention(ValueError):
+    """An attention variant this backend does not compute; the message names it."""
+
+
+def is_available() -> bool:
+    return flex_attention is not None
+
+
+@dataclass
+class FlexRows:
+    """Per-query-row tensors read by the mask_mod (one entry per row of one call)."""
+
+    seq: torch.Tensor  # [rows] int32: row of `physical_to_logical`
+    pos: torch.Tensor  # [rows] int32: the query's absolute position
+    span_lo: torch.Tensor  # [rows] int32: the bidirectional span holding the query, [lo, hi)
+    span_hi: torch.Tensor  # [rows] int32 (lo == hi == 0: none)
+
+
+@dataclass
+class FlexMetadata:
+    """Everything both calls of a step need, built once per step by `build_flex_metadata`."""
+
+    block_size: int
+    num_blocks: int  # physical blocks in the cache
+    num_decodes: int
+    num_prefill_tokens: int
+    physical_to_logical: torch.Tensor  # [num_seqs, num_blocks] int32, -1: not the seq's block
+    # Per sequence of the step (decodes first, then chunks): its block table row and length.
+    tables: list[torch.Tensor]
+    seq_lens: list[int]  # tokens in the cache after this step (context of the last query)
+    decode_rows: FlexRows | None
+    prefill_rows: FlexRows | None
+    # Per prefill tile: (first row, end row) and which sequences' rows it holds.
+    prefill_tiles: list[tuple[int, int]] = field(default_factory=list)
+    prefill_tile_seqs: list[list[int]] = field(default_factory=list)
+    prefill_first_pos: list[int] = field(default_factory=list)  # per seq: first query position
+    q_tile: int = PREFILL_Q_TILE
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def block_mask(self, kind: str, sliding_window: int | None) -> "BlockMask":
+        key = (kind, sliding_window or 0)
+        if key not in self._masks:
+            build = _decode_block_mask if kind == "decode" else _prefill_block_mask
+            self._masks[key] = build(self, sliding_window or 0)
+        return self._masks[key]
+
+
+def build_flex_metadata(meta: AttentionMetadata, num_blocks: int, q_tile: int = PREFILL_Q_TILE) -> FlexMetadata:
+    """The FlexAttention view of a step's `AttentionMetadata` (decodes first, then chunks)."""
+    bs = meta.block_size
+    device = meta.slot_mapping.device
+    tables: list[torch.Tensor] = []
+    seq_lens: list[int] = []
+    nd = meta.num_decode_tokens
+    if nd:
+        width = meta.decode_max_blocks
+        padded = meta.decode_block_ids.view(nd, width)
+        for i, n in enumerate(meta.decode_lens):
+            tables.append(padded[i, :-(-n // bs)])
+            seq_lens.append(n)
+    for chunk in meta.prefills:
+        tables.append(chunk.block_table[:-(-chunk.context_len // bs)].to(device))
+        seq_lens.append(chunk.context_len)
+    p2l = physical_to_logical(tables, num_blocks, device)
+    decode_rows = None
+    if nd:
+        seq = torch.arange(nd, dtype=torch.int32, device=device)
+        pos = torch.tensor([n - 1 for n in meta.decode_lens], dtype=torch.int32, device=device)
+        zero = torch.zeros(nd, dtype=torch.int32, device=device)
+        decode_rows = FlexRows(seq, pos, zero, zero)
+    prefill_rows = None
+    tiles, tile_seqs, first_pos = [], [], []
+    num_prefill = sum(c.query_len for c in meta.prefills)
+    if meta.prefills:
+        seq_parts, pos_parts, lo_parts, hi_parts = [], [], [], []
+        for j, chunk in enumerate(meta.prefills):
+            first = chunk.context_len - chunk.query_len
+            pos = torch.arange(first, chunk.context_len, dtype=torch.int32, device=device)
+            lo = torch.zeros_like(pos)
+            hi = torch.zeros_like(pos)
+            for s_lo, s_hi in chunk.spans:
+                inside = (pos >= s_lo) & (pos < s_hi)
+                lo[inside] = s_lo
+                hi[inside] = s_hi
+            seq_parts.append(torch.full_like(pos, nd + j))
+            pos_parts.append(pos)
+            lo_parts.append(lo)
+            hi_parts.append(hi)
+        prefill_rows = FlexRows(torch.cat(seq_parts), torch.cat(pos_parts), torch.cat(lo_parts), torch.cat(hi_parts))
+        # Which sequences have rows in each tile (a Python walk over chunks, not over rows).
+        starts = [0]
+        for c in meta.prefills:
+            starts.append(starts[-1] + c.query_len)
+        for t0 in range(0, num_prefill, q_tile):
+            t1 = min(t0 + q_tile, num_prefill)
+            tiles.append((t0, t1))
+            tile_seqs.append([nd + j for j in range(len(meta.prefills)) if starts[j] < t1 and starts[j + 1] > t0])
+        first_pos = [0] * nd + [c.context_len - c.query_len for c in meta.prefills]
+    return FlexMetadata(bs, num_blocks, nd, num_prefill, p2l, tables, seq_lens, decode_rows, prefill_rows,
+                        tiles, tile_seqs, first_pos, q_tile)
+
+
+def physical_to_logical(tables: list[torch.Tensor], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """[num_seqs, num_blocks] int32: the logical index of each physical block in each table,
+    -1 elsewhere (and for -1 entries: blocks freed out of every window)."""
+    p2l = torch.full((max(len(tables), 1), num_blocks), -1, dtype=torch.int32, device=device)
+    for s, table in enumerate(tables):
+        table = table.to(device=device, dtype=torch.long)
+        logical = torch.arange(table.numel(), dtype=torch.int32, device=device)
+        live = table >= 0
+        p2l[s].index_copy_(0, table[live], logical[live])
+    return p2l
+
+
+def _mask_mod(fm: FlexMetadata, rows: FlexRows, window: int, row_of: Callable) -> Callable:
+    p2l, bs = fm.physical_to_logical, fm.block_size
+
+    def mask(b, h, q_idx, kv_idx):
+        row = row_of(b, q_idx)
+        logical = p2l[rows.seq[row], kv_idx // bs]
+        k_pos = logical * bs + kv_idx % bs
+        q_pos = rows.pos[row]
+        seen = (k_pos <= q_pos) | ((k_pos >= rows.span_lo[row]) & (k_pos < rows.span_hi[row]))
+        allowed = (logical >= 0) & seen
+        if window:
+            allowed = allowed & (k_pos > q_pos - window)
+        return allowed
+
+    return mask
+
+
+def _live_range(fm: FlexMetadata, seq: int, first_q: int, last_q: int, window: int) -> tuple[int, int]:
+    """Logical blocks [lo, hi) that queries at positions [first_q, last_q] of `seq` read."""
+    bs = fm.block_size
+    lo = max(0, first_q - window + 1) // bs if window else 0
+    return lo, -(-(last_q + 1) // bs)
+
+
+def _decode_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
+    lists = []
+    for s in range(fm.num_decodes):
+        n = fm.seq_lens[s]
+        lo, hi = _live_range(fm, s, n - 1, n - 1, window)
+        lists.append(fm.tables[s][lo:hi])
+    kv_num, kv_idx = _pack(lists, fm.num_blocks, fm.physical_to_logical.device)
+    return BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, fm.block_size),
+                                    mask_mod=_mask_mod(fm, fm.decode_rows, window, lambda b, q: b),
+                                    seq_lengths=(1, fm.num_blocks * fm.block_size), compute_q_blocks=False)
+
+
+def _prefill_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
+    rows = fm.prefill_rows
+    lists = []
+    for (t0, t1), seqs in zip(fm.prefill_tiles, fm.prefill_tile_seqs):
+        parts = []
+        for s in seqs:
+            # The tile's rows of seq s: positions from first_pos + (row - chunk start).
+            sel = rows.seq[t0:t1] == s
+            positions = rows.pos[t0:t1][sel]
+            q_first, q_last = int(positions.min()), int(positions.max())
+            lo, hi = _live_range(fm, s, q_first, q_last, window)
+            spans_hi = int(rows.span_hi[t0:t1][sel].max())  # a span may reach past the last query
+            hi = max(hi, -(-spans_hi // fm.block_size))
+            parts.append(fm.tables[s][lo:hi])
+        blocks = torch.cat(parts).long()
+        lists.append(torch.unique(blocks[blocks >= 0]))
+    kv_num, kv_idx = _pack(lists, fm.num_blocks, rows.seq.device)
+    return BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], BLOCK_SIZE=(fm.q_tile, fm.block_size),
+                                    mask_mod=_mask_mod(fm, rows, window, lambda b, q_idx: q_idx),
+                                    seq_lengths=(fm.num_prefill_tokens, fm.num_blocks * fm.block_size),
+                                    compute_q_blocks=False)
+
+
+def _pack(lists: list[torch.Tensor], num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged block lists -> (counts [n] int32, indices [n, num_blocks] int32, padded with 0).
+    NOTE: BlockMask's indices are as wide as the KV length in blocks (its dense form and
+    transposes assume it); the kernel reads only the first `counts` of each row."""
+    lists = [t[t >= 0].to(device=device, dtype=torch.int32) for t in lists]
+    width = num_blocks
+    idx = torch.zeros(len(lists), width, dtype=torch.int32, device=device)
+    for i, t in enumerate(lists):
+        idx[i, :t.numel()] = t
+    return torch.tensor([t.numel() for t in lists], dtype=torch.int32, device=device), idx
+
+
+def _softcap_mod(cap: float) -> Callable:
+    def score(s, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(s / cap)
+
+    return score
+
+
+def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fm: FlexMetadata,
+                         scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                         attend: Callable | None = None) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] (decodes first, then prefill tokens), the step's new
+    K/V already written to the caches. Returns [num_tokens, num_heads, head_dim].
+    `attend`: the flex_attention callable (the compiled one on CUDA; eager by default)."""
+    if flex_attention is None:
+        raise UnsupportedAttention("attention_backend: 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    attend = attend or flex_attention
+    kv_heads, num_blocks, bs, head_dim = k_cache.shape
+    k = k_cache.view(1, kv_heads, num_blocks * bs, head_dim)
+    v = v_cache.view(1, kv_heads, num_blocks * bs, head_dim)
+    score_mod = _softcap_mod(float(softcap)) if softcap else None
+    out = torch.empty_like(q)
+    nd = fm.num_decodes
+    if nd:
+        qd = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+        od = attend(qd, k, v, score_mod=score_mod, block_mask=fm.block_mask("decode", sliding_window),
+                    scale=scale, enable_gqa=True)
+        out[:nd] = od[:, :, 0]
+    if fm.num_prefill_tokens:
+        qp = q[nd:].transpose(0, 1).unsqueeze(0)  # [1, num_heads, num_prefill_tokens, head_dim]
+        op = attend(qp, k, v, score_mod=score_mod, block_mask=fm.block_mask("prefill", sliding_window),
+                    scale=scale, enable_gqa=True)
+        out[nd:] = op[0].transpose(0, 1)
+    return out
