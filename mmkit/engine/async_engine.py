@@ -109,7 +109,7 @@ class AsyncLLMEngine:
         return self._dead is not None
 
     async def generate(self, inputs: Any, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Add one request and yield its progress; the last output has `finished=True`.
 
         Leaving the loop early or cancelling the task aborts the request.
@@ -127,7 +127,7 @@ class AsyncLLMEngine:
             # this caller only and the event loop never runs the processor.
             try:
                 processed, params = await self._worker.run(
-                    lambda: self.engine.process_request(request_id, parsed, sampling_params))
+                    lambda: self.engine.process_request(request_id, parsed, sampling_params, lora_request))
             except BaseException:
                 finished = True
                 if self._streams.get(request_id) is stream:
