@@ -77,6 +77,16 @@ class LoRALinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base.bias
 
+    def lora_record(self, record_cls):
+        """(record, tensors it points into) for the C decode stack (mmkit/layers/decode_stack.py),
+        or None where the buffers are not float32 CPU tensors."""
+        tensors = (self.a, self.b, self.scales, self.slot_mask, self.column_slice)
+        if any(not t.is_cpu or not t.is_contiguous() for t in tensors) or self.a.dtype != torch.float32 \
+                or self.b.dtype != torch.float32:
+            return None
+        rec = record_cls(*(t.data_ptr() for t in tensors), len(self.slices), self.max_rank)
+        return rec, tensors
+
     def set_slot(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """Slice `index` of slot `slot` <- a [r, in], b [slice_out, r] (r <= max_rank)."""
         r = a.shape[0]

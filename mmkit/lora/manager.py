@@ -61,6 +61,8 @@ class LoRAManager:
     def _wrap(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         cfg = self.config
         R, n = cfg.max_lora_rank, cfg.max_loras
+        # float32 slots on CPU (the C decode stack reads them so; tiny next to the weights)
+        dtype = torch.float32 if device.type == "cpu" else dtype
         found = []
         for name, module in model.named_modules():
             if not name:

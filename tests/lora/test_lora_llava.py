@@ -138,3 +138,35 @@ def test_engine_and_async_engine_paths(llm, tiny_ckpt, adapters):
             aengine.shutdown()
 
     assert asyncio.run(run()) == want
+
+
+def test_decode_stack_keeps_lora_steps(llm, tiny_ckpt, adapters, monkeypatch):
+    """Steps with adapters stay in the one-call C decode stack (the deltas are added inside it),
+    and the per-module path (MMKIT_DECODE_STACK=0) gives the same ids."""
+    from mmkit.layers import cpu_kernels, decode_stack, linear_panels
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C kernels on this host")
+    taken = []
+    run = decode_stack.DecodeStack.run
+
+    def spy(self, embeds, *args):
+        out = run(self, embeds, *args)
+        taken.append(out is not None and self.lora_ctx is not None and self.lora_ctx.active)
+        return out
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
+    lora = [req(adapters, "A"), None, req(adapters, "B")]
+    fast = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    if llm.llm_engine.model_runner.model.language_model.decode_stack() is None:
+        pytest.skip("the decode stack does not run on this host (no panels)")
+    assert taken and all(taken)
+    monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
+    linear_panels.bump_generation()
+    taken.clear()
+    slow = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    assert not any(taken)
+    assert [ids(o) for o in slow] == [ids(o) for o in fast]
+    assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], TEXT, max_new_tokens=N)
+    monkeypatch.delenv("MMKIT_DECODE_STACK")
+    linear_panels.bump_generation()
