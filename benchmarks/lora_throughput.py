@@ -62,7 +62,7 @@ def main() -> None:
     for rep in range(args.repeats):
         reqs = make_workload("decode-heavy", args.num_requests, seed=rep, vocab_size=text.vocab_size)
         num_out = sum(r.max_tokens for r in reqs)
-        names = list(configs) if rep % 2 == 0 else list(reversed(configs))
+        names = list(configs)[rep % 4:] + list(configs)[:rep % 4]  # each config takes every position in turn
         for name in names:
             llm, lora_for = configs[name]
             inputs, params = mmkit_inputs(reqs, 96), mmkit_params(reqs)

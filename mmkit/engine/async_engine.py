@@ -173,6 +173,18 @@ class AsyncLLMEngine:
             stream.put_nowait(EngineDeadError("the engine was shut down"))
         self._streams.clear()
 
+    async def add_lora(self, lora_request: Any) -> None:
+        """Load and check an adapter (vLLM's name) on the engine's thread, between steps;
+        ValueError naming the cause."""
+        self._check_alive()
+        self._ensure_loop()
+        await self._worker.run(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_alive()
+        self._ensure_loop()
+        return await self._worker.run(lambda: self.engine.remove_lora(lora_int_id))
+
     async def get_metrics(self) -> dict[str, int]:
         if self._worker is None or not self.is_running:
             return self.engine.get_metrics()

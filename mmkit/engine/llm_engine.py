@@ -173,6 +173,17 @@ class LLMEngine:
         self.scheduler.add_request(group)
         self.input_stage.add_request(request_id, processed.images, processed.image_embeds)
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Load and check an adapter before any request names it (vLLM's `add_lora`)."""
+        from mmkit.lora.engine_checks import check_lora_request
+
+        check_lora_request(self, "add_lora", 0, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the cache (a running request naming it loads it again)."""
+        manager = self.model_runner.lora_manager
+        return manager.remove(lora_int_id) if manager is not None else False
+
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
             return (params.seed * 1_000_003 + index) % 2**64

@@ -45,7 +45,7 @@ _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("b", _PTR), ("scales", _PTR), ("slot_mask", _PTR), ("column_slice", _PTR),
+    _fields_ = [("a", _PTR), ("bt", _PTR), ("scales", _PTR), ("slot_mask", _PTR), ("bounds", _PTR),
                 ("num_slices", _I64), ("rank", _I64)]
 
 

@@ -1,7 +1,7 @@
 """Projections that add every row's adapter delta: one grouped pass per layer over all rows.
 
 A wrapped module keeps the base module and, per slot (`max_loras` of them), the adapter's A and
-B: `a` [slots, num_slices * R, in], `b` [slots, out, R], `scales` [slots, num_slices]. A fused
+B: `a` [slots, num_slices * R, in], `b` [slots, R, out] (B transposed), `scales` [slots, num_slices]. A fused
 projection (qkv, gate_up) has one slice per checkpoint projection: output columns of slice i
 read ranks [i * R, (i + 1) * R), so q, k and v keep their own pairs without a block-diagonal B.
 
@@ -59,15 +59,15 @@ class LoRALinear(nn.Module):
         n = len(slices)
         self.register_buffer("a", torch.zeros(max_loras, n * max_rank, self.in_features, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("b", torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=device),
+        self.register_buffer("b", torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("scales", torch.zeros(max_loras, n, dtype=torch.float32), persistent=False)
         self.has_slot = [False] * max_loras  # slots holding weights for this module
         # [slots] int64 for the C decode stack: 1 where the slot holds weights (mmkit/layers/decode_stack.py)
         self.register_buffer("slot_mask", torch.zeros(max_loras, dtype=torch.long), persistent=False)
-        # The slice of each output column (int64 [out]), for the C stack.
-        self.register_buffer("column_slice", torch.repeat_interleave(
-            torch.arange(n), torch.tensor(slices)).to(torch.long), persistent=False)
+        # Slice i is output columns [bounds[i], bounds[i + 1]) (int64 [n + 1], for the C stack).
+        self.register_buffer("bounds", torch.tensor([0] + [sum(slices[:i + 1]) for i in range(n)], dtype=torch.long),
+                             persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -80,7 +80,7 @@ class LoRALinear(nn.Module):
     def lora_record(self, record_cls):
         """(record, tensors it points into) for the C decode stack (mmkit/layers/decode_stack.py),
         or None where the buffers are not float32 CPU tensors."""
-        tensors = (self.a, self.b, self.scales, self.slot_mask, self.column_slice)
+        tensors = (self.a, self.b, self.scales, self.slot_mask, self.bounds)
         if any(not t.is_cpu or not t.is_contiguous() for t in tensors) or self.a.dtype != torch.float32 \
                 or self.b.dtype != torch.float32:
             return None
@@ -96,7 +96,7 @@ class LoRALinear(nn.Module):
                              f"and B [{width}, r]")
         rows = slice(index * self.max_rank, index * self.max_rank + r)
         self.a[slot, rows] = a.to(self.a.dtype)
-        self.b[slot, lo:lo + width, :r] = b.to(self.b.dtype)
+        self.b[slot, :r, lo:lo + width] = b.t().to(self.b.dtype)
         self.scales[slot, index] = scale
         self.has_slot[slot] = True
         self.slot_mask[slot] = 1
@@ -133,7 +133,7 @@ class LoRALinear(nn.Module):
                 scale = float(self.scales[slot, i])
                 if scale == 0.0:
                     continue
-                delta = (mid[:, i * R:(i + 1) * R] @ self.b[slot, lo:lo + width].t()) * scale
+                delta = (mid[:, i * R:(i + 1) * R] @ self.b[slot, :, lo:lo + width]) * scale
                 out[start:end, lo:lo + width] += delta.to(out.dtype)
         return out
 

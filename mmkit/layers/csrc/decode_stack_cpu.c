@@ -54,8 +54,8 @@ int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, i
                            const uint16_t *bias, int64_t direct_max_rows, int nthreads);
 
 int mmkit_lora_add(void *out, const void *x, int64_t x_stride, int64_t num_rows, int64_t k, int64_t n,
-                   const int64_t *row_slots, const float *a, const float *b, const float *scales,
-                   const int64_t *slot_mask, const int64_t *column_slice, int64_t num_slices, int64_t rank,
+                   const int64_t *row_slots, const float *a, const float *bt, const float *scales,
+                   const int64_t *slot_mask, const int64_t *bounds, int64_t num_slices, int64_t rank,
                    int dtype);
 
 enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
@@ -63,10 +63,10 @@ enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
 /* A projection's LoRA slots (mmkit/lora/layers.py LoRALinear's buffers; lora_delta_cpu.c). */
 typedef struct {
     const float *a;             /* [slots, num_slices * rank, k] */
-    const float *b;             /* [slots, n, rank] */
+    const float *bt;            /* [slots, rank, n] (B transposed) */
     const float *scales;        /* [slots, num_slices] */
     const int64_t *slot_mask;   /* [slots]: 1 where the slot holds weights for this projection */
-    const int64_t *column_slice; /* [n]: the slice of each output column */
+    const int64_t *bounds;      /* [num_slices + 1]: slice i is output columns [bounds[i], bounds[i + 1]) */
     int64_t num_slices, rank;
 } MmkitLora;
 
@@ -112,8 +112,8 @@ static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitSte
                                  w->zeros, w->group_size, w->bias, s->quant_direct_max_rows, s->num_threads);
     if (st == 0 && s->lora_slots && w->lora) {
         const MmkitLora *L = w->lora;
-        if (mmkit_lora_add(out, x, w->k, s->num_tokens, w->k, w->n, s->lora_slots, L->a, L->b, L->scales,
-                           L->slot_mask, L->column_slice, L->num_slices, L->rank, s->dtype) != 0)
+        if (mmkit_lora_add(out, x, w->k, s->num_tokens, w->k, w->n, s->lora_slots, L->a, L->bt, L->scales,
+                           L->slot_mask, L->bounds, L->num_slices, L->rank, s->dtype) != 0)
             return STACK_NO_MEMORY;
     }
     return st == 2 ? STACK_NO_MEMORY : st; /* 1: no kernel for this CPU; 2: an allocation failed */
