@@ -89,6 +89,8 @@ class SchedulerConfig:
     # Placeholder tokens of items encoded per step (vLLM's encoder compute budget); 0 = the
     # token budget. One item larger than this is still encoded alone.
     max_num_encoder_input_tokens: int = 0
+    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off)
+    lora_tower: bool = False  # adapters change image embeddings: encoder-cache keys name the adapter
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class EngineConfig:
     # Which kernels read the paged cache (mmkit/layers/attention_backend.py): "auto" = "flex" on
     # CUDA, "torch" (the CPU kernels) elsewhere.
     attention_backend: str = "auto"
+    lora: Any = None  # mmkit.lora.LoRAConfig when enable_lora, else None
 
 
 @dataclass
@@ -163,6 +166,12 @@ class EngineArgs:
     enforce_eager: bool = False
     # "auto" | "torch" | "flex" | "flashinfer" | "flash_attn" (docs/gpu.md).
     attention_backend: str = "auto"
+    # LoRA adapters per request (vLLM's names; mmkit/lora/): `lora_request=` on generate/chat.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    enable_tower_connector_lora: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from mmkit.plugins import load_plugins
@@ -187,6 +196,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=model.max_model_len,
+            max_loras=self.max_loras if self.enable_lora else 0,
+            lora_tower=bool(self.enable_lora and self.enable_tower_connector_lora),
         )
         return EngineConfig(
             model=model,
@@ -199,7 +210,25 @@ class EngineArgs:
             preprocess_lookahead=self.preprocess_lookahead if self.async_preprocess else 0,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            lora=self._lora_config(),
         )
+
+    def _lora_config(self):
+        from mmkit.lora.request import LoRAConfig
+
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora: got {type(self.enable_lora).__name__}; expected bool")
+        if not self.enable_lora:
+            return None
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            _check_positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras = "
+                                 f"{self.max_loras}")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+                          bool(self.enable_tower_connector_lora))
 
     def _validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -37,6 +37,8 @@ class ProcessedPrompt:
     # Spans the decoder attends bidirectionally (Gemma 3: each run of image soft tokens), as
     # (offset, length); the scheduler computes each in one chunk, the attention reads them.
     bidirectional_ranges: list[PlaceholderRange] = field(default_factory=list)
+    # The request's LoRA adapter (mmkit.lora.LoRARequest) or None; set by the engine.
+    lora_request: Any = None
 
 
 class InputProcessor(Protocol):

@@ -10,6 +10,7 @@ cannot be processed) ends alone with its error (`take_request_errors`), the othe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -83,9 +84,10 @@ class LLMEngine:
         return self.scheduler.requests
 
     # ------------------------------------------------------------------ requests
-    def process_request(self, request_id: str, parsed: ParsedPrompt,
-                        params: SamplingParams | None) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Everything that can reject a request, without changing any engine state."""
+    def process_request(self, request_id: str, parsed: ParsedPrompt, params: SamplingParams | None,
+                        lora_request: Any = None) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Everything that can reject a request, without changing any engine state (a LoRA
+        adapter is read into the adapter cache, which serves every later request)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: got {type(request_id).__name__}; expected str")
         if request_id in self.scheduler.requests:
@@ -94,7 +96,13 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
+        if lora_request is not None:
+            from mmkit.lora.engine_checks import check_lora_request
+
+            check_lora_request(self, request_id, parsed.index, lora_request)
         processed = self.process_inputs(parsed)
+        if lora_request is not None:
+            processed = dataclasses.replace(processed, lora_request=lora_request)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
         if params.structured_outputs is not None:
             try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
@@ -142,14 +150,16 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, inputs: Any = None, params: SamplingParams | None = None,
-                    *, prompt: Any = None, prompt_token_ids: Any = None, multi_modal_data: Any = None) -> None:
-        """Validate and queue one request (`inputs`: a prompt string or dict)."""
+                    *, prompt: Any = None, prompt_token_ids: Any = None, multi_modal_data: Any = None,
+                    lora_request: Any = None) -> None:
+        """Validate and queue one request (`inputs`: a prompt string or dict; `lora_request`: a
+        `mmkit.LoRARequest` on an engine built with `enable_lora=True`)."""
         if prompt is not None or prompt_token_ids is not None or multi_modal_data is not None:
             inputs = legacy_single_input(inputs, prompt, prompt_token_ids, multi_modal_data, "add_request")
         if inputs is None:
             raise ValueError("inputs: missing; expected a prompt string or dict")
         parsed = parse_prompt(0, inputs)
-        processed, params = self.process_request(request_id, parsed, params)
+        processed, params = self.process_request(request_id, parsed, params, lora_request)
         self.add_processed(request_id, processed, params)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
@@ -162,6 +172,17 @@ class LLMEngine:
                                           params, final_only)
         self.scheduler.add_request(group)
         self.input_stage.add_request(request_id, processed.images, processed.image_embeds)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load and check an adapter before any request names it (vLLM's `add_lora`)."""
+        from mmkit.lora.engine_checks import check_lora_request
+
+        check_lora_request(self, "add_lora", 0, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the cache (a running request naming it loads it again)."""
+        manager = self.model_runner.lora_manager
+        return manager.remove(lora_int_id) if manager is not None else False
 
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:

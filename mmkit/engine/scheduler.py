@@ -90,7 +90,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
-                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
+                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                        lora_tower=config.lora_tower)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         # Ordered sets: a finished, aborted or preempted sequence leaves in O(1).
         self._waiting = SeqQueue()
@@ -220,7 +221,8 @@ class Scheduler:
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
-            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks)
+            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks,
+            lora_request=getattr(processed, "lora_request", None))
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Preempt the newest running sequences until `seq` can allocate; False if `seq` left."""
@@ -290,12 +292,19 @@ class Scheduler:
         # host. Arrival order is kept.
         idle = token_budget == self.config.max_num_batched_tokens
         started: set[str] = set()
+        # LoRA: a step holds at most max_loras adapters (the model's slots); a request whose
+        # adapter would be one more waits (FCFS: those behind it wait too).
+        loras = {s.group.processed.lora_request.lora_int_id for s in self.running
+                 if getattr(s.group.processed, "lora_request", None) is not None} if self.config.max_loras else set()
         if idle and self.preprocess is not None:
             likely = self._likely_admitted(token_budget)
             self.preprocess.start_now(likely)
             started = set(likely)
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora = getattr(seq.group.processed, "lora_request", None)
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                break
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
                 if seq.group.request_id not in started:
                     break
@@ -315,6 +324,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
         return token_budget

@@ -20,6 +20,7 @@ from mmkit.entrypoints.beam_search import (
 )
 from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.errors import RequestFailedError
+from mmkit.lora.engine_checks import lora_request_list
 from mmkit.multimodal.legacy import legacy_to_inputs
 from mmkit.multimodal.media_fetch import MediaConnector
 from mmkit.multimodal.parse import PromptInputs, parse_inputs
@@ -54,6 +55,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         prompts: Any = None,
         prompt: Any = None,
         prompt_token_ids: Any = None,
@@ -70,6 +72,9 @@ class LLM:
         If some prompts fail after admission (an image that cannot be decoded), the others
         still complete and `mmkit.RequestFailedError` is raised: its `.outputs` holds every
         output in input order (None for the failed prompts) and `.failed` the errors by index.
+
+        `lora_request`: a `mmkit.LoRARequest` for every input, or a list with one entry (or None,
+        the base model) per input; the engine needs `enable_lora=True`.
         """
         if prompts is not None and prompt is not None:
             raise ValueError("LLM.generate: got both prompts= and prompt=; pass `inputs`")
@@ -83,7 +88,7 @@ class LLM:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
         parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
         params_list = self._params_list(sampling_params, len(parsed))
-        return self._run(parsed, params_list, use_tqdm)
+        return self._run(parsed, params_list, use_tqdm, lora_request_list(lora_request, len(parsed)))
 
     def chat(
         self,
@@ -93,6 +98,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
@@ -112,7 +118,7 @@ class LLM:
         allow_video = "video" in self.llm_engine.supported_modalities
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video,
                                          media=self.media_connector)
-        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -163,13 +169,14 @@ class LLM:
             return list(sampling_params)
         raise TypeError(f"sampling_params: got {type(sampling_params).__name__}; expected SamplingParams or a list")
 
-    def _run(self, parsed, params_list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, parsed, params_list, use_tqdm: bool, lora_requests=None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in parsed]
+        lora_requests = lora_requests or [None] * len(parsed)
         results: dict[str, RequestOutput] = {}
         errors: dict[str, BaseException] = {}
-        admissions = [(rid, functools.partial(engine.process_request, rid, p, sp))
-                      for rid, p, sp in zip(ids, parsed, params_list)]
+        admissions = [(rid, functools.partial(engine.process_request, rid, p, sp, lr))
+                      for rid, p, sp, lr in zip(ids, parsed, params_list, lora_requests)]
         self._drive(RequestDriver(engine), admissions, results, errors, use_tqdm)
         if errors:
             index = {rid: i for i, rid in enumerate(ids)}

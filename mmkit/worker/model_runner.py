@@ -29,6 +29,7 @@ from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
 from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
+from mmkit.lora.runner_steps import begin_step, encode_per_adapter, lora_id, rows_of
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,15 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        self.lora_manager = None  # mmkit/lora/: adapter slots and the step's row -> slot mapping
+        if config.lora is not None:
+            from mmkit.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, config.lora, self.dtype, self.device)
         self._init_batch_state()
-        self.decode_graphs = DecodeGraphs(self) if graphs else None  # CUDA graphs for decode steps
+        # CUDA graphs for decode steps; with LoRA every step runs eagerly (a captured graph holds
+        # no per-row adapter deltas).
+        self.decode_graphs = DecodeGraphs(self) if graphs and self.lora_manager is None else None
         if self.decode_graphs is not None:
             self.decode_graphs.capture()
 
@@ -88,7 +96,11 @@ class ModelRunner:
         for seq_id, num_new in sched.num_scheduled_tokens.items():
             state = self.states[seq_id]
             chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
-        order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
+        if self.lora_manager is None:
+            order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
+        else:  # rows of one adapter next to each other (one delta matmul per adapter and layer)
+            order = sorted(chunks, key=lambda c: (c.num_new_tokens > 1, lora_id(c.state)))
+            begin_step(self.lora_manager, [c.state for c in order], [c.num_new_tokens for c in order])
         hidden = self.decode_graphs.try_run(order) if self.decode_graphs is not None else None
         if hidden is None:  # eager: every step on CPU, and prefill (or too large) steps on CUDA
             input_ids, positions, slots, meta = self._prepare(order)
@@ -109,7 +121,8 @@ class ModelRunner:
                 first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
                 if first < c.end:
                     lo = row + first - c.start
-                    prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
+                    with rows_of(self.lora_manager, [state] * (row + c.num_new_tokens - lo)):
+                        prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
             row += c.num_new_tokens
             state.num_computed_tokens = c.end
             if not c.samples:
@@ -122,7 +135,8 @@ class ModelRunner:
             row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        with rows_of(self.lora_manager, row_states):
+            logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         # NOTE: hooks act only on sequences that hold sampler state (e.g. a grammar matcher);
         # a step without any keeps the model-dtype logits and skips the [rows, vocab] copy,
         # even after a hook was registered by an earlier constrained request.
@@ -157,7 +171,8 @@ class ModelRunner:
                 block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
-                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks))
+                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks),
+                lora_request=d.lora_request)
             tables.set_table(d.seq_id, d.block_ids)
             if old is not None:  # a rebuild: per-sequence sampler objects carry over
                 state.sampler_state = old.sampler_state
@@ -257,7 +272,11 @@ class ModelRunner:
                 raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
             to_encode.append(e)
             item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
-        if item_inputs:
+        if item_inputs and self.lora_manager is not None and self.config.scheduler.lora_tower:
+            embeds = encode_per_adapter(self.lora_manager, self.model, to_encode, item_inputs)
+            self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)
+            fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
+        elif item_inputs:
             embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
             self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)  # given rows: no tower
             fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))

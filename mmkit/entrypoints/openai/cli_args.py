@@ -58,6 +58,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request leaves unset: 'auto' = the checkpoint's "
                         "generation_config.json, 'vllm' = none (temperature 1, ...), or a folder holding one")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) per request")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters served by name: `model: NAME` in a request selects one (needs --enable-lora)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters in one engine step (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default --max-loras)")
+    g.add_argument("--enable-tower-connector-lora", action="store_true",
+                   help="adapters may change the vision tower and projector too")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
