@@ -57,6 +57,9 @@ class ModelConfig:
     # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
     # the online method asked for; None = the checkpoint's floats in `dtype`.
     quantization: Any = None
+    # A hybrid decoder's per-request state (mmkit/layers/state_spec.py), from the family's
+    # `get_state_spec(hf_config)`; None: KV blocks only.
+    state_spec: Any = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -319,6 +322,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
         layer_sliding_windows=tuple(layer_windows(text)),
         quantization=quantization,
+        state_spec=getattr(model_cls, "get_state_spec", lambda _config: None)(hf_config),
     )
 
 

@@ -51,6 +51,7 @@ class NewSeqData:
     # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their
     # first tokens come from this sequence's last prompt row (see engine/sequence.py).
     pending_forks: tuple[tuple[int, int], ...] = ()
+    state_slot: int = -1  # a hybrid decoder's per-request state slot (engine/state_cache_manager.py)
 
 
 @dataclass(frozen=True)
