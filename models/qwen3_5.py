@@ -16,11 +16,13 @@ layer (`layer_types`), behind the Qwen3-VL tower without DeepStack.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from mmkit.layers.attention import AttentionMetadata, paged_attention
 from mmkit.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -29,6 +31,7 @@ from mmkit.layers.short_conv import causal_conv_chunk, causal_conv_step
 from mmkit.layers.state_spec import StateSpec
 from mmkit.models.gemma3 import GemmaRMSNorm
 from mmkit.models.llama import Linear, LlamaMLP
+from mmkit.models.moe import MoeExperts, SparseMoeBlock
 from mmkit.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from mmkit.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -166,6 +169,62 @@ class Qwen3_5DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class PerExpertWeights(MoeExperts):
+    """The experts as Qwen3.5-MoE checkpoints store them, one `experts.{e}.{gate,up,down}_proj`
+    per expert (transformers fuses them on load); `fuse_weights` stacks them once into
+    models/moe.py's `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`, whose grouped forward runs."""
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.intermediate_size = experts, inter
+        self.act = ACT2FN[config.hidden_act]
+        self._packed = None
+        for e in range(experts):
+            expert = nn.Module()
+            expert.gate_proj = nn.Linear(hidden, inter, bias=False)
+            expert.up_proj = nn.Linear(hidden, inter, bias=False)
+            expert.down_proj = nn.Linear(inter, hidden, bias=False)
+            self.add_module(str(e), expert)
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        experts = [getattr(self, str(e)) for e in range(self.num_experts)]
+        self.gate_up_proj = nn.Parameter(torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight])
+                                                      for x in experts]), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.stack([x.down_proj.weight for x in experts]), requires_grad=False)
+        for e in range(self.num_experts):
+            delattr(self, str(e))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """transformers' Qwen3NextSparseMoeBlock: the routed experts (mmkit's grouping, models/moe.py)
+    plus one shared expert, scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.experts = PerExpertWeights(config)
+        shared = SimpleNamespace(hidden_size=config.hidden_size, hidden_act=config.hidden_act,
+                                 intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_expert = LlamaMLP(shared)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def fuse_weights(self) -> None:
+        self.experts.fuse_weights()
+        self.shared_expert.fuse_weights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        shared = self.shared_expert(x)
+        routed = super().forward(x)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return SharedExpertMoeBlock(config)  # every layer routes (transformers' Qwen3.5-MoE)
+
+
 class Qwen3_5TextModel(nn.Module):
     """The hybrid decoder stack without the LM head (HF's `Qwen3_5TextModel`)."""
 
@@ -199,6 +258,10 @@ class Qwen3_5TextModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
+
+
+class Qwen3_5MoeTextModel(Qwen3_5TextModel):
+    decoder_layer_cls = Qwen3_5MoeDecoderLayer
 
 
 def qwen3_5_state_spec(text: Any) -> StateSpec:
@@ -245,3 +308,15 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def _feature_rows(self, out: Any) -> torch.Tensor:
         return out.pooler_output  # [sum tokens, hidden]: no DeepStack sets
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """Qwen3.5-MoE: the same hybrid stack with routed experts and a shared expert in every layer."""
+
+    decoder_cls = Qwen3_5MoeTextModel
+
+    @staticmethod
+    def _vision_class():
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel

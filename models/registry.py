@@ -204,4 +204,6 @@ _register("Qwen3VLMoeForConditionalGeneration", "mmkit.models.qwen3_vl:Qwen3VLMo
 # Qwen3.5 and Qwen3.5-MoE, hybrid decoders (models/qwen3_5.py; Qwen3-VL's processor)
 _register("Qwen3_5ForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5ForConditionalGeneration",
           processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5",))
+_register("Qwen3_5MoeForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+          processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5_moe",))
 del _register

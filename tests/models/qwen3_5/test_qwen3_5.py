@@ -21,7 +21,7 @@ from mmkit.testing import build_tiny_checkpoint
 N = 24
 IMG1, IMG2, IMG3 = make_image(1, 60, 40), make_image(2, 30, 50), make_image(3, 90, 33)
 FRAMES = [make_image(10 + i, 48, 32) for i in range(8)]
-ARCHS = ["Qwen3_5ForConditionalGeneration"]
+ARCHS = ["Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -122,7 +122,7 @@ def test_forced_preemption_rebuilds_the_state(ckpt):
 def test_repeated_request_with_prefix_cache_asked_for(ckpt, caplog):
     with caplog.at_level(logging.WARNING, logger="mmkit.engine.llm_engine"):
         llm = LLM(str(ckpt), dtype="float32", block_size=4, enable_prefix_caching=True)
-    assert "prefix caching is off for Qwen3_5ForConditionalGeneration" in caplog.text
+    assert f"prefix caching is off for {type(llm.llm_engine.model_runner.model).__name__}" in caplog.text
     request = {"prompt": P_IMG, "multi_modal_data": {"image": IMG1}}
     first = llm.generate(request, greedy(), use_tqdm=False)[0]
     second = llm.generate(request, greedy(), use_tqdm=False)[0]
@@ -149,7 +149,7 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
     ok = {"prompt": P_IMG, "multi_modal_data": {"image": IMG1}}
     bad = [
         (ok, SamplingParams(n=2, temperature=1.0, max_tokens=4), ValueError,
-         r"inputs\[1\] \(request .*\): sampling_params\.n=2; Qwen3_5ForConditionalGeneration keeps a per-request state"),
+         r"inputs\[1\] \(request .*\): sampling_params\.n=2; Qwen3_5(Moe)?ForConditionalGeneration keeps a per-request state"),
         ({"prompt": P_2IMG, "multi_modal_data": {"image": [IMG1]}}, greedy(), ValueError, r"inputs\[1\]"),
     ]
     for prompt, params, exc, match in bad:
