@@ -277,6 +277,8 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """`SupportsMultiModal`, `SupportsMRoPE`; a hybrid decoder (`get_state_spec`)."""
 
     decoder_cls: Any = Qwen3_5TextModel
+    # transformers' `_keys_to_ignore_on_load_unexpected`: the multi-token-prediction head is not run
+    ignored_checkpoint_prefixes = ("mtp.",)
 
     def __init__(self, config, max_positions: int) -> None:
         Qwen2VLForConditionalGeneration.__init__(self, config, max_positions)

@@ -25,20 +25,25 @@ def build_tiny_qwen3_5(out_dir: str | Path, *, seed: int = 0, moe: bool = False,
                        patch_size: int = 8, min_pixels: int = 16 * 16 * 4, max_pixels: int = 16 * 16 * 16,
                        video_fps: float = 12.0, num_experts: int = 6, num_experts_per_tok: int = 2,
                        max_position_embeddings: int = 2048, init_std: float = 0.08,
-                       tie_word_embeddings: bool = False, num_position_embeddings: int = 64) -> Path:
+                       tie_word_embeddings: bool = False, num_position_embeddings: int = 64,
+                       intermediate: int | None = None, vision_intermediate: int | None = None,
+                       tokenizer=None) -> Path:
     """Save a random Qwen3.5 (`moe=False`) or Qwen3.5-MoE (`moe=True`) with its processor.
     Layer i is full attention when (i + 1) is a multiple of `full_attention_every`."""
     import transformers as tf
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_qwen_tokenizer(out)
+    if tokenizer is None:
+        tokenizer = build_qwen_tokenizer(out)
+    else:
+        tokenizer.save_pretrained(out)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     half = int(head_dim * partial_rotary_factor) // 2  # interleaved M-RoPE over the rotary dims
     section = [half - 2 * (half // 3), half // 3, half // 3]
     layer_types = ["full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
                    for i in range(text_layers)]
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
                 num_hidden_layers=text_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                 head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                 layer_types=layer_types, linear_conv_kernel_dim=conv_kernel, linear_key_head_dim=linear_key_dim,
@@ -53,7 +58,7 @@ def build_tiny_qwen3_5(out_dir: str | Path, *, seed: int = 0, moe: bool = False,
         text.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
                     moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2)
         del text["intermediate_size"]
-    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_dim * 2,
+    vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_intermediate or vision_dim * 2,
                   num_heads=vision_heads, out_hidden_size=hidden, patch_size=patch_size, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=num_position_embeddings,
                   initializer_range=init_std)

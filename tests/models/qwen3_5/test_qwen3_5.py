@@ -159,3 +159,23 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         assert_slots_returned(llm)
     out = llm.generate(ok, greedy(), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(ckpt, prompt=P_IMG, images=[IMG1])
+
+
+def test_multi_token_prediction_weights_are_skipped_like_transformers(ckpt, tmp_path):
+    """Released checkpoints carry `mtp.*` tensors that transformers ignores on load; so does mmkit
+    (any other unexpected tensor is still an error naming it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "mtp"
+    shutil.copytree(ckpt, src)
+    state = load_file(src / "model.safetensors")
+    state["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    out = LLM(str(src), dtype="float32").generate("Write a haiku about the sea.", greedy(), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(ckpt, prompt="Write a haiku about the sea.")
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected weights.*extra\.weight"):
+        LLM(str(src), dtype="float32")
