@@ -194,7 +194,11 @@ def main() -> None:
         model_dir = args.model or build(args.num_layers, args.vision_depth)
         # A bounded KV cache (the CPU default is up to 4 GiB): both models already hold a
         # 151936-row embedding, and the machine may be shared.
-        size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype, kv_cache_memory=256 << 20)
+        # Qwen3.5: every running sequence holds a ~3 MiB state slot (counted in the same budget),
+        # so the slots are bounded to the requests of the run.
+        extra = {"max_num_seqs": max(args.num_requests, 8)} if args.family == "qwen3_5" else {}
+        size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype, kv_cache_memory=256 << 20,
+                                                             **extra)
     else:
         model_dir, size, llm = common.setup(args, args.model)
     if args.ab_async:

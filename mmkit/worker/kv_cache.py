@@ -46,6 +46,12 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) ->
         blocks_per_seq = -(-model.max_model_len // cache.block_size)
         budget = min(max_num_seqs * blocks_per_seq * per_block, _CPU_DEFAULT_LIMIT)
     num_blocks = budget // per_block
+    if num_blocks < 1 and state_bytes(model, max_num_seqs):
+        raise ValueError(
+            f"kv_cache_memory: after the hybrid decoder's {max_num_seqs} per-request state slots "
+            f"(max_num_seqs x {state_bytes(model, 1)} bytes) no KV block of {per_block} bytes is left; "
+            f"give more memory or lower max_num_seqs"
+        )
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory: {budget} bytes hold no KV block of {per_block} bytes "

@@ -179,3 +179,14 @@ def test_multi_token_prediction_weights_are_skipped_like_transformers(ckpt, tmp_
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected weights.*extra\.weight"):
         LLM(str(src), dtype="float32")
+
+
+def test_state_slots_come_out_of_the_kv_budget(ckpt):
+    from mmkit.worker.kv_cache import bytes_per_block
+
+    engine = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=4).llm_engine
+    mc = engine.config.model
+    state = 4 * mc.state_spec.bytes_per_slot(mc.dtype)
+    assert engine.block_manager.num_blocks == ((1 << 20) - state) // bytes_per_block(mc, 16)
+    with pytest.raises(ValueError, match=r"after the hybrid decoder's 256 per-request state slots .* lower max_num_seqs"):
+        LLM(str(ckpt), dtype="float32", kv_cache_memory=256 * mc.state_spec.bytes_per_slot(mc.dtype))
