@@ -60,6 +60,9 @@ class ModelConfig:
     # Which implementation runs it: "mmkit" (a registered family) or "transformers" (the
     # backend: transformers' own modules on mmkit's paged KV cache), chosen from `model_impl`.
     model_impl: str = "mmkit"
+    # A hybrid decoder's per-request state (mmkit/layers/state_spec.py), from the family's
+    # `get_state_spec(hf_config)`; None: KV blocks only.
+    state_spec: Any = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -372,6 +375,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         layer_sliding_windows=tuple(layer_windows(text)),
         quantization=quantization,
         model_impl=model_impl,
+        state_spec=getattr(model_cls, "get_state_spec", lambda _config: None)(hf_config),
     )
 
 

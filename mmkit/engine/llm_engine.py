@@ -11,6 +11,7 @@ cannot be processed) ends alone with its error (`take_request_errors`), the othe
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -22,6 +23,7 @@ from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
+from mmkit.engine.state_cache_manager import StateCacheManager
 from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
 from mmkit.multimodal.legacy import legacy_single_input
@@ -33,6 +35,9 @@ from mmkit.outputs import RequestOutput
 from mmkit.processors import ProcessedPrompt, get_input_processor
 from mmkit.sampling_params import SamplingParams
 from mmkit.worker.model_runner import ModelRunner
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,14 +60,24 @@ class LLMEngine:
         # scheduler (admission) and the runner (model inputs); both get it here, at construction.
         self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
         self.model_runner = ModelRunner(config, self.input_stage)
+        spec = config.model.state_spec  # a hybrid decoder's per-request state (None: KV only)
+        self.state_cache_manager = None if spec is None else StateCacheManager(
+            config.scheduler.max_num_seqs, spec.bytes_per_slot(config.model.dtype))
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and spec is not None:
+            # docs/architecture.md ("Hybrid decoders"): a block hit would need the state at that block.
+            logger.warning("prefix caching is off for %s: its linear-attention/convolution layers keep a "
+                           "per-request state that cached KV blocks cannot restore", config.model.architecture)
+            prefix_caching = False
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching, config.model.sliding_window)
+                                          prefix_caching, config.model.sliding_window)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
         # One item-embedding row: hidden, times 1 + DeepStack layers for a `SupportsDeepStack` model.
         row_bytes = (config.model.hidden_size * self.model_runner.embed_width_factor
                      * torch.empty((), dtype=config.model.dtype).element_size())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes,
-                                   preprocess=self.input_stage if self.input_stage.prefetches else None)
+                                   preprocess=self.input_stage if self.input_stage.prefetches else None,
+                                   state_cache=self.state_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.max_model_len)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
@@ -100,6 +115,10 @@ class LLMEngine:
             from mmkit.lora.engine_checks import check_lora_request
 
             check_lora_request(self, request_id, parsed.index, lora_request)
+        if params.n > 1 and self.state_cache_manager is not None:
+            raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): sampling_params.n={params.n}; "
+                             f"{self.config.model.architecture} keeps a per-request state that forks do not "
+                             f"copy, so expected n=1 (send the prompt n times with different seeds)")
         processed = self.process_inputs(parsed)
         if lora_request is not None:
             processed = dataclasses.replace(processed, lora_request=lora_request)
@@ -325,6 +344,8 @@ class LLMEngine:
         metrics["encoder_cache_misses"] = self.encoder_cache_manager.num_misses
         metrics["kv_blocks_total"] = self.block_manager.num_blocks
         metrics["kv_blocks_free"] = self.block_manager.num_free_blocks
+        if self.state_cache_manager is not None:
+            metrics.update(self.state_cache_manager.metrics())
         metrics.update(self._weight_bytes())
         return metrics
 

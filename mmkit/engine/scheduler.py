@@ -26,6 +26,7 @@ from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.seq_queue import SeqQueue
+from mmkit.engine.state_cache_manager import StateCacheManager
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.engine.block_hashes import update_block_hashes
 from mmkit.engine.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
@@ -85,8 +86,12 @@ class PreprocessTracker(Protocol):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0,
-                 preprocess: PreprocessTracker | None = None) -> None:
+                 preprocess: PreprocessTracker | None = None,
+                 state_cache: StateCacheManager | None = None) -> None:
         self.config = config
+        # A hybrid decoder's per-request state slots (None: KV blocks only): a slot is taken when
+        # the runner first gets a sequence, given back on finish, abort and preemption.
+        self.state_cache = state_cache
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
@@ -146,6 +151,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.encoder.release(seq)
+        if self.state_cache is not None:
+            self.state_cache.free(seq.seq_id)
         seq.status = status
         self._known_to_runner.discard(seq.seq_id)
         self._finished_seq_ids.add(seq.seq_id)
@@ -222,7 +229,8 @@ class Scheduler:
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
             bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks,
-            lora_request=getattr(processed, "lora_request", None))
+            lora_request=getattr(processed, "lora_request", None),
+            state_slot=self.state_cache.allocate(seq.seq_id) if self.state_cache is not None else -1)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Preempt the newest running sequences until `seq` can allocate; False if `seq` left."""
@@ -245,6 +253,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self.encoder.release(seq)
+        if self.state_cache is not None:  # recomputed from token 0: the state is rebuilt
+            self.state_cache.free(seq.seq_id)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         if self.preprocess is not None:  # its items' inputs go back to the workers
@@ -384,6 +394,19 @@ class Scheduler:
         self._finished_seq_ids |= sched.finished_seq_ids
         for s in plan.scheduled:
             self._known_to_runner.discard(s.seq.seq_id)
+        if self.state_cache is not None:
+            # NOTE: the failed forward may have advanced some layers' state in place: a hybrid
+            # sequence of the step is recomputed from token 0 (KV blocks alone could resume).
+            for s in reversed(plan.scheduled):
+                if s.seq.status is SequenceStatus.RUNNING and s.seq not in plan.admitted:
+                    self.running.remove(s.seq)
+                    self.block_manager.free(s.seq)
+                    self.encoder.release(s.seq)
+                    self.state_cache.free(s.seq.seq_id)
+                    s.seq.reset_for_recompute()
+                    self.waiting.appendleft(s.seq)
+                    if self.preprocess is not None:
+                        self.preprocess.requeue(s.seq.group.request_id)
         # NOTE: a sequence admitted in this step may hold prefix-cache hits on blocks that
         # the step was to compute: undo its admission (it is recomputed from scratch).
         for seq in reversed(plan.admitted):
@@ -391,6 +414,8 @@ class Scheduler:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
                 self.encoder.release(seq)
+                if self.state_cache is not None:
+                    self.state_cache.free(seq.seq_id)
                 seq.reset_for_recompute()
                 self.waiting.appendleft(seq)
 

@@ -54,6 +54,7 @@ class NewSeqData:
     # first tokens come from this sequence's last prompt row (see engine/sequence.py).
     pending_forks: tuple[tuple[int, int], ...] = ()
     lora_request: Any = None  # mmkit.lora.LoRARequest or None
+    state_slot: int = -1  # a hybrid decoder's per-request state slot (engine/state_cache_manager.py)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ Attention variants, per layer (a family only declares them; see `mmkit/layers/sl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,8 @@ class AttentionMetadata:
     # Every row of the step (decodes, then each prefill token) as one row of the paged kernel,
     # built at a global layer's first use in a step: [view] or [None] when it cannot serve.
     _rows_view: list = field(default_factory=list, repr=False)
+    # A hybrid decoder's state rows of the step (mmkit/worker/state_cache.py `StateBatch`), else None.
+    state_batch: Any = None
 
     def window_view(self, sliding_window: int) -> DecodeView:
         """Decode view of a sliding layer: only the blocks overlapping each window."""

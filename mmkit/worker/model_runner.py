@@ -30,6 +30,7 @@ from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
 from mmkit.lora.runner_steps import begin_step, encode_per_adapter, lora_id, rows_of
+from mmkit.worker.state_cache import StateBatch, StateCache
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class ModelRunner:
         graphs = uses_decode_graphs(config, self.attention_backend, self)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
                                             preallocate=config.cache.kv_cache_preallocate)
+        # A hybrid decoder's per-request state: one slot per sequence that can run.
+        self.state_cache = (StateCache(mc.state_spec, config.scheduler.max_num_seqs, self.dtype, self.device)
+                            if mc.state_spec is not None else None)
         self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
@@ -73,9 +77,10 @@ class ModelRunner:
 
             self.lora_manager = LoRAManager(self.model, config.lora, self.dtype, self.device)
         self._init_batch_state()
-        # CUDA graphs for decode steps; with LoRA every step runs eagerly (a captured graph holds
-        # no per-row adapter deltas).
-        self.decode_graphs = DecodeGraphs(self) if graphs and self.lora_manager is None else None
+        # CUDA graphs for decode steps; with LoRA or a hybrid decoder's state every step runs
+        # eagerly (a captured graph holds no per-row adapter deltas nor state-slot gathers).
+        self.decode_graphs = (DecodeGraphs(self) if graphs and self.lora_manager is None
+                             and self.state_cache is None else None)
         if self.decode_graphs is not None:
             self.decode_graphs.capture()
 
@@ -104,6 +109,8 @@ class ModelRunner:
         hidden = self.decode_graphs.try_run(order) if self.decode_graphs is not None else None
         if hidden is None:  # eager: every step on CPU, and prefill (or too large) steps on CUDA
             input_ids, positions, slots, meta = self._prepare(order)
+            if self.state_cache is not None:
+                meta.state_batch = self._state_batch(order)
             if self.uses_mrope:
                 positions = self._mrope_positions(order)
             embeds = self.model.embed_tokens(input_ids)
@@ -172,8 +179,10 @@ class ModelRunner:
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
                 bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks),
-                lora_request=d.lora_request)
+                lora_request=d.lora_request, state_slot=d.state_slot)
             tables.set_table(d.seq_id, d.block_ids)
+            if self.state_cache is not None:
+                self._start_state(d)
             if old is not None:  # a rebuild: per-sequence sampler objects carry over
                 state.sampler_state = old.sampler_state
             else:
@@ -189,6 +198,26 @@ class ModelRunner:
             state.block_table.extend(c.new_block_ids)
             tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
+
+    def _start_state(self, d) -> None:
+        # NOTE: a state holds every token before num_computed_tokens, so a hybrid sequence
+        # reaches the runner only from token 0 (no prefix-cache hit, no fork, a preempted or
+        # failed one recomputed): its slot starts from zeros.
+        if d.state_slot < 0 or d.num_computed_tokens != 0:
+            raise RuntimeError(f"request {d.request_id!r}: a hybrid decoder's sequence must start from token 0 with "
+                               f"a state slot (got slot {d.state_slot}, {d.num_computed_tokens} tokens computed)")
+        self.state_cache.reset(d.state_slot)
+
+    def _state_batch(self, order: list[Chunk]) -> StateBatch:
+        """The step's rows by state slot: one-token rows first (the order `_prepare` laid out)."""
+        decode_slots, prefills, row = [], [], 0
+        for c in order:
+            if c.num_new_tokens == 1:
+                decode_slots.append(c.state.state_slot)
+            else:
+                prefills.append((row, c.num_new_tokens, c.state.state_slot))
+            row += c.num_new_tokens
+        return StateBatch(self.state_cache, len(decode_slots), _to_device(decode_slots, self.device), tuple(prefills))
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
