@@ -237,7 +237,7 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sizes or capture_sizes(config.scheduler.max_num_seqs)
         bs = runner.block_size
-        cache_blocks = runner.kv_caches[0][0].shape[1]
+        cache_blocks = runner.num_cache_blocks
         if cache_blocks != runner.num_blocks + 1:
             raise ValueError(f"decode graphs: the KV cache holds {cache_blocks} blocks; expected num_blocks + 1 "
                              f"= {runner.num_blocks + 1} (the null block)")

@@ -62,7 +62,9 @@ class ModelRunner:
         self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
                            else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
         graphs = uses_decode_graphs(config, self.attention_backend, self)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
+        # Blocks in the cache tensors: the null block too when decode graphs pad with it.
+        self.num_cache_blocks = self.num_blocks + int(graphs)
+        self.kv_caches = allocate_kv_caches(mc, self.num_cache_blocks, self.block_size,
                                             preallocate=config.cache.kv_cache_preallocate)
         # A hybrid decoder's per-request state: one slot per sequence that can run.
         self.state_cache = (StateCache(mc.state_spec, config.scheduler.max_num_seqs, self.dtype, self.device)
@@ -275,7 +277,7 @@ class ModelRunner:
             # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
             block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
-        attach_backend(meta, self.attention_backend, self.kv_caches[0][0].shape[1])  # the null block too
+        attach_backend(meta, self.attention_backend, self.num_cache_blocks)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items
