@@ -254,7 +254,8 @@ class DecodeGraphs:
         block. The CPU tests use it to run the stand-in inside a real engine."""
         from mmkit.worker.kv_cache import allocate_kv_caches
 
-        runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_blocks + 1, runner.block_size)
+        runner.num_cache_blocks = runner.num_blocks + 1
+        runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_cache_blocks, runner.block_size)
         runner.decode_graphs = cls(runner, sizes)
         runner.decode_graphs.capture()
         return runner.decode_graphs
