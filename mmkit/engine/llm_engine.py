@@ -23,6 +23,7 @@ from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
+from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.engine.state_cache_manager import StateCacheManager
 from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
@@ -59,7 +60,7 @@ class LLMEngine:
         # The input stage: the items' processor work (on the prefetcher's workers), read by the
         # scheduler (admission) and the runner (model inputs); both get it here, at construction.
         self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
-        self.model_runner = ModelRunner(config, self.input_stage)
+        self.model_runner = ModelRunner(config, self.input_processor)
         spec = config.model.state_spec  # a hybrid decoder's per-request state (None: KV only)
         self.state_cache_manager = None if spec is None else StateCacheManager(
             config.scheduler.max_num_seqs, spec.bytes_per_slot(config.model.dtype))
@@ -260,6 +261,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, post-process; outputs of requests that progressed
         (of final-only requests: only when they finish)."""
+        if self.input_stage.prefetches:
+            # An idle engine: the requests it will likely admit get all their images started
+            # at once and prepared side by side; this thread waits for them (their content
+            # hashes too) here, so the scheduler never blocks on the stage.
+            self.input_stage.prepare_now(self.scheduler.likely_admitted())
         sched = self.scheduler.schedule()
         touched: dict[str, SequenceGroup] = {}
         for seq in self.scheduler.take_finished_while_scheduling():  # out of KV cache
@@ -270,6 +276,7 @@ class LLMEngine:
             for new in sched.new_seqs:
                 self.output_processor.record_scheduled(new.request_id, now)
             try:
+                sched = self._with_mm_features(sched)
                 result = self.model_runner.execute_model(sched)
             except RequestError as exc:  # belongs to some requests: they end, the rest go on
                 self.scheduler.step_failed(sched)
@@ -279,6 +286,22 @@ class LLMEngine:
                 raise
             self._postprocess(sched, result, touched)
         return self._outputs(touched)
+
+    def _with_mm_features(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step's items with their model inputs from the input stage (vLLM's
+        `mm_features`); an item whose processing failed fails its request alone."""
+        if not any(e.item is not None for e in sched.encoder_inputs):
+            return sched
+        stage, inputs = self.input_stage, []
+        for e in sched.encoder_inputs:
+            if e.item is not None:
+                try:
+                    e = dataclasses.replace(e, mm_kwargs=stage.mm_item_inputs(e.request_id, e.item))
+                except Exception as exc:  # noqa: BLE001 - attributed to the one request
+                    raise RequestError([e.request_id],
+                                       f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            inputs.append(e)
+        return dataclasses.replace(sched, encoder_inputs=tuple(inputs))
 
     def _postprocess(self, sched, result, touched: dict[str, SequenceGroup]) -> None:
         out = result.sampler_output

@@ -32,6 +32,9 @@ class EncoderInput:
     embeds: torch.Tensor | None  # or embeddings given by the user, [num_tokens, hidden]
     num_tokens: int  # rows expected (the item's placeholder range length)
     lora_request: Any = None  # the adapter the tower runs under (tower LoRA only)
+    # The item's model inputs (vLLM's `mm_features`), attached by the engine from its input
+    # stage after scheduling: the runner reads them here and never asks the stage itself.
+    mm_kwargs: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the decoder forward on the paged cache, the LM head on the last positions and th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -19,7 +20,6 @@ from mmkit.layers.attention_backend import attach_backend, select_attention_back
 from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
-from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
 from mmkit.worker.block_table import BlockTables
@@ -45,13 +45,15 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, input_stage: MultiModalInputStage) -> None:
+    def __init__(self, config: EngineConfig, input_processor: Any = None) -> None:
         self.config = config
         mc = config.model
         self.device = mc.device
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
-        self.input_stage = input_stage  # where an item's model inputs come from
+        # The family's processor, for the CUDA memory profile's dummy images only: a step's
+        # item inputs arrive in its scheduler output (`EncoderInput.mm_kwargs`).
+        self.input_processor = input_processor
         self.model = load_model(mc)
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
@@ -297,10 +299,7 @@ class ModelRunner:
             if e.embeds is not None:  # given by the user: no vision tower
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
-            try:
-                inputs = self.input_stage.mm_item_inputs(e.request_id, e.item)
-            except Exception as exc:  # noqa: BLE001 - attributed to the one request
-                raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            inputs = e.mm_kwargs  # attached by the engine (vLLM's mm_features)
             to_encode.append(e)
             item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
         if item_inputs and self.lora_manager is not None and self.config.scheduler.lora_tower:
