@@ -314,7 +314,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching:
-                self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
+                seq.num_computed_tokens = self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
