@@ -20,6 +20,7 @@ The runner's interface (models/interfaces.py) maps onto the model's own methods:
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -130,7 +131,15 @@ class TransformersBackendModel(nn.Module):
             if getattr(module, name).dtype != torch.float32:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
-        return 0
+        if os.environ.get("MMKIT_BACKEND_PACKED_LINEAR", "1") == "0":  # A/B: transformers' own linears
+            return 0
+        from mmkit.models.transformers_backend.linear import swap_linears
+
+        # The decoder's linears drop their row-major copy once packed; the LM head keeps it
+        # (it may be the token embedding, tied).
+        head = self.hf_model.get_output_embeddings()
+        return swap_linears(self.language_model, release_weights=True) + \
+            (swap_linears(head, release_weights=False) if isinstance(head, nn.Module) else 0)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod
