@@ -191,7 +191,8 @@ class TransformersBackendModel(nn.Module):
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None, :]
         if self.position_offset:
             position_ids = position_ids + self.position_offset
-        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes)
+        flat_positions = positions[0] if positions.dim() == 2 else positions
+        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset)
         token = attention.current_step().set(step)
         try:
             out = self.language_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
