@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from mmkit.layers.attention import AttentionMetadata, gather_blocks, paged_attention, write_kv
+from mmkit.models.transformers_backend.quirks import fix_position_dependent_query
 
 ATTN_IMPLEMENTATION = "mmkit_paged"
 
@@ -43,6 +44,10 @@ class BackendStep:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     layer_chunk_sizes: Sequence[int | None] = ()
+    positions: torch.Tensor | None = None  # [T] each row's position (the text row for 3-D rotary)
+    # Each layer's window as transformers decides it from the config (mmkit/layers/sliding_window.py),
+    # for modules that leave the window to the mask instead of passing `sliding_window`.
+    layer_windows: Sequence[int | None] = ()
 
 
 _STEP: contextvars.ContextVar[BackendStep | None] = contextvars.ContextVar("mmkit_backend_step", default=None)
@@ -68,11 +73,13 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise RuntimeError(f"mmkit_paged attention expects the step flattened into one row; got batch {query.shape[0]}")
     k_cache, v_cache = step.kv_caches[layer]
+    if step.positions is not None:
+        query = fix_position_dependent_query(module, query, step.positions)
     q = query[0].transpose(0, 1).contiguous()  # [T, num_heads, head_dim]
     k = key[0].transpose(0, 1).contiguous().to(k_cache.dtype)  # [T, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous().to(v_cache.dtype)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window") or None
+    window = kwargs.get("sliding_window") or (step.layer_windows[layer] if layer < len(step.layer_windows) else None)
     softcap = kwargs.get("softcap") or None
     chunk = step.layer_chunk_sizes[layer] if layer < len(step.layer_chunk_sizes) else None
     if softcap is None and chunk is None:

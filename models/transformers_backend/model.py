@@ -20,6 +20,7 @@ The runner's interface (models/interfaces.py) maps onto the model's own methods:
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -99,6 +100,9 @@ class TransformersBackendModel(nn.Module):
         chunk = getattr(text, "attention_chunk_size", None)
         self.layer_chunk_sizes = tuple(chunk if t == "chunked_attention" else None
                                        for t in (getattr(text, "layer_types", None) or []))
+        from mmkit.layers.sliding_window import layer_windows
+
+        self.layer_windows = tuple(layer_windows(text))
         self.final_logit_softcapping = (getattr(config, "final_logit_softcapping", None)
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
@@ -130,7 +134,15 @@ class TransformersBackendModel(nn.Module):
             if getattr(module, name).dtype != torch.float32:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
-        return 0
+        if os.environ.get("MMKIT_BACKEND_PACKED_LINEAR", "1") == "0":  # A/B: transformers' own linears
+            return 0
+        from mmkit.models.transformers_backend.linear import swap_linears
+
+        # The decoder's linears drop their row-major copy once packed; the LM head keeps it
+        # (it may be the token embedding, tied).
+        head = self.hf_model.get_output_embeddings()
+        return swap_linears(self.language_model, release_weights=True) + \
+            (swap_linears(head, release_weights=False) if isinstance(head, nn.Module) else 0)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod
@@ -182,7 +194,9 @@ class TransformersBackendModel(nn.Module):
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None, :]
         if self.position_offset:
             position_ids = position_ids + self.position_offset
-        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes)
+        flat_positions = positions[0] if positions.dim() == 2 else positions
+        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset,
+                                     self.layer_windows)
         token = attention.current_step().set(step)
         try:
             out = self.language_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
