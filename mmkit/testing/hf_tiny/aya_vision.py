@@ -30,7 +30,7 @@ CONFIGS = {
 def build_tiny_aya_vision(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, num_heads: int = 4,
                           num_kv_heads: int = 2, text_layers: int = 4, image_size: int = 32, patch_size: int = 8,
                           max_patches: int = 4, sliding_window: int = 16, tie_word_embeddings: bool = True,
-                          init_std: float = 0.1) -> Path:
+                          init_std: float = 0.2) -> Path:
     """Save a random AyaVisionForConditionalGeneration with its AyaVisionProcessor; a tile is
     `image_size` square and gives (image_size / patch_size / 2)^2 `<|IMG_PATCH|>` tokens."""
     import transformers as tf

@@ -33,7 +33,7 @@ def build_tiny_cohere2_vision(out_dir: str | Path, *, seed: int = 0, hidden: int
                               num_kv_heads: int = 2, text_layers: int = 4, image_size: int = 32,
                               patch_size: int = 8, max_patches: int = 3, sliding_window: int = 16,
                               tie_word_embeddings: bool = True, logit_scale: float = 0.5, vision_hidden: int = 32,
-                              vision_layers: int = 2, init_std: float = 0.1) -> Path:
+                              vision_layers: int = 2, init_std: float = 0.2) -> Path:
     """Save a random Cohere2VisionForConditionalGeneration with its processor; a tile is
     `image_size` square and gives (image_size / patch_size / 2)^2 `<|IMG_PATCH|>` tokens."""
     import transformers as tf

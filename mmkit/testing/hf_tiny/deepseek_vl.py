@@ -27,7 +27,7 @@ CONFIGS = {
 def build_tiny_deepseek_vl(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, num_heads: int = 4,
                            num_kv_heads: int = 4, text_layers: int = 2, image_size: int = 32, patch_size: int = 8,
                            tie_word_embeddings: bool = True, vision_hidden: int = 32,
-                           init_std: float = 0.1) -> Path:
+                           init_std: float = 0.2) -> Path:
     """Save a random DeepseekVLForConditionalGeneration with its DeepseekVLProcessor; an image
     gives (image_size / patch_size)^2 `<image_placeholder>` tokens."""
     import transformers as tf

@@ -29,7 +29,7 @@ CONFIGS = {
 def build_tiny_glm4v(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, num_heads: int = 2,
                      num_kv_heads: int = 2, text_layers: int = 2, mrope_section: list[int] | None = None,
                      vision_hidden: int = 32, vision_depth: int = 2, patch_size: int = 8,
-                     tie_word_embeddings: bool = False, init_std: float = 0.1) -> Path:
+                     tie_word_embeddings: bool = False, init_std: float = 0.2) -> Path:
     """Save a random Glm4vForConditionalGeneration with its Glm4vProcessor. One `<|image|>`
     token covers (2 * patch_size)^2 pixels; images are resized to between 4 and 16 tokens."""
     import transformers as tf

@@ -29,7 +29,7 @@ CONFIGS = {
 def build_tiny_lighton_ocr(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, num_heads: int = 4,
                            num_kv_heads: int = 2, head_dim: int = 16, text_layers: int = 2, patch_size: int = 8,
                            longest_edge: int = 64, tie_word_embeddings: bool = True, vision_layers: int = 2,
-                           init_std: float = 0.1) -> Path:
+                           init_std: float = 0.2) -> Path:
     """Save a random LightOnOcrForConditionalGeneration with its LightOnOcrProcessor."""
     import transformers as tf
 

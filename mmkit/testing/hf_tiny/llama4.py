@@ -33,7 +33,7 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, n
                       num_kv_heads: int = 2, head_dim: int = 16, text_layers: int = 4, num_experts: int = 4,
                       interleave_moe_layer_step: int = 1, attention_chunk_size: int = 8,
                       no_rope_layer_interval: int = 4, tie_word_embeddings: bool = False, image_size: int = 32,
-                      patch_size: int = 8, max_patches: int = 4, init_std: float = 0.1) -> Path:
+                      patch_size: int = 8, max_patches: int = 4, init_std: float = 0.2) -> Path:
     """Save a random Llama4ForConditionalGeneration with its Llama4Processor. A tile is
     `image_size` square; its (image_size / patch_size)^2 patches are pixel-shuffled 4:1."""
     import transformers as tf

@@ -29,7 +29,7 @@ CONFIGS = {
 def build_tiny_ovis2(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, num_heads: int = 4,
                      num_kv_heads: int = 2, text_layers: int = 2, image_size: int = 32, patch_size: int = 8,
                      max_patches: int = 4, visual_vocab_size: int = 64, tie_word_embeddings: bool = True,
-                     init_std: float = 0.1) -> Path:
+                     init_std: float = 0.2) -> Path:
     """Save a random Ovis2ForConditionalGeneration with its Ovis2Processor; a tile is
     `image_size` square and gives (image_size / patch_size / 2)^2 `<IMG_ATOM>` tokens."""
     import transformers as tf
