@@ -57,6 +57,9 @@ class ModelConfig:
     # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
     # the online method asked for; None = the checkpoint's floats in `dtype`.
     quantization: Any = None
+    # Which implementation runs it: "mmkit" (a registered family) or "transformers" (the
+    # backend: transformers' own modules on mmkit's paged KV cache), chosen from `model_impl`.
+    model_impl: str = "mmkit"
 
     @property
     def sliding_window(self) -> int | None:
@@ -139,6 +142,9 @@ class EngineArgs:
     # none; a compressed-tensors checkpoint is detected from its config without this).
     quantization: str | None = None
     quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
+    # vLLM's name: "auto" (the native family when registered, else the transformers backend when
+    # the architecture qualifies), "mmkit" (native only) or "transformers" (the backend).
+    model_impl: str = "auto"
     # Media fetching for `LLM.chat` (vLLM's names; mmkit/multimodal/media_fetch.py, docs/serving.md
     # "Media fetching"). None: LLM.chat reads any local path / fetches from any host (as before);
     # set, only files under the folder / only these hosts. The limits' None is the environment's
@@ -218,6 +224,8 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"limit_mm_per_prompt: unknown modality key(s) {unknown}; expected 'image' and/or "
                              "'video', e.g. {'image': 4, 'video': 1}")
+        if self.model_impl not in ("auto", "mmkit", "transformers"):
+            raise ValueError(f"model_impl: got {self.model_impl!r}; expected one of ['auto', 'mmkit', 'transformers']")
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, Mapping):
             raise TypeError(f"mm_processor_kwargs: got {type(self.mm_processor_kwargs).__name__}; expected a dict "
                             "like {'max_pixels': 200704}")
@@ -287,10 +295,10 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
     from mmkit.models.quantization import QuantizationSpec
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    architecture = ModelRegistry.architecture_of(hf_config)
+    architecture, model_impl = ModelRegistry.select(hf_config, args.model_impl)
     # What the family declares (mmkit.models.interfaces.SupportsMultiModal); generic code
     # never looks at the family's own config fields.
-    model_cls = ModelRegistry.resolve(architecture)[0]
+    model_cls = ModelRegistry.resolve(architecture, model_impl)[0]
     # Checked here, before any weight is read: an unsupported method fails with its name.
     quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
     text = hf_config.get_text_config()
@@ -319,6 +327,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
         layer_sliding_windows=tuple(layer_windows(text)),
         quantization=quantization,
+        model_impl=model_impl,
     )
 
 

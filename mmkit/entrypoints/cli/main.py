@@ -33,6 +33,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model-impl", default="auto", choices=["auto", "mmkit", "transformers"],
+                   help="which implementation runs the model: auto (native when mmkit has it, else the transformers backend), mmkit, or transformers (transformers' own modules on mmkit's engine)")
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
@@ -108,7 +110,8 @@ def _make_llm(args):
         torch.set_num_threads(args.threads)
     from mmkit import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+              model_impl=args.model_impl)
     print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -305,7 +308,7 @@ def cmd_eval_ray(args, params) -> int:
         summary = run_ray_evaluation(
             data, results, model=args.model, sampling_params=params,
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
-                         "quantization": args.quantization},
+                         "quantization": args.quantization, "model_impl": args.model_impl},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
             max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)

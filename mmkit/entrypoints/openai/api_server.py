@@ -235,6 +235,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
         quantization=getattr(args, "quantization", None),
+        model_impl=getattr(args, "model_impl", "auto"),
         kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt

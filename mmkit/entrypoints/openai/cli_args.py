@@ -27,6 +27,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model-impl", default="auto", choices=["auto", "mmkit", "transformers"],
+                   help="which implementation runs the model: auto (native when mmkit has it, else the transformers backend), mmkit, or transformers (transformers' own modules on mmkit's engine)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
     g.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
