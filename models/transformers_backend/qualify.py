@@ -77,7 +77,8 @@ def backend_refusal(hf_config: Any, architecture: str, native: bool = False) -> 
     hybrid = next((f for f in _HYBRID_FIELDS if getattr(text, f, None) not in (None, [], ())), None)
     if hybrid is not None:
         return (f"{where}: it is a hybrid model (its text config sets {hybrid!r}: decoder layers that are not "
-                f"attention); the backend runs attention-only decoders; {try_instead}")
+                f"attention: recurrent, linear-attention or convolution state, not a KV cache); the backend runs "
+                f"attention-only decoders; {try_instead}")
     shared = next((f for f in _SHARED_KV_FIELDS if getattr(text, f, None)), None)
     if shared is not None:
         return f"{where}: its layers share KV caches ({shared}={getattr(text, shared)}); {try_instead}"
