@@ -27,6 +27,7 @@ from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.transformers_backend.model import FEATURE_MASK_KEY, SPAN_IDS_KEY, rope_index_owner
 from mmkit.models.transformers_backend.qualify import transformers_class
+from mmkit.models.transformers_backend.quirks import quirks_of
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.replacements import ReplacementProbe, call_processor, expand_text, expand_token_ids
 from mmkit.processors.spans import SpanItem, checked_token_ids
@@ -57,7 +58,14 @@ class TransformersInputProcessor:
             raise TypeError(f"mm_processor_kwargs: got {type(mm_processor_kwargs).__name__}; expected a dict")
         self.default_kwargs = dict(mm_processor_kwargs or {})
         image_token = getattr(self.hf_processor, "image_token", None)
-        self.image_token_id = None if image_token is None else self.tokenizer.convert_tokens_to_ids(image_token)
+        # The token whose positions the model's features fill: the one the model's own merge
+        # looks for (its config's image token id), else the processor's.
+        self.image_token_id = model_config.image_token_id
+        if self.image_token_id is None:
+            self.image_token_id = getattr(self.hf_processor, "image_token_id", None)
+        if self.image_token_id is None and image_token is not None:
+            self.image_token_id = self.tokenizer.convert_tokens_to_ids(image_token)
+        self.bidirectional = quirks_of(model_config.hf_config).bidirectional
         self.probe = ReplacementProbe(self.hf_processor) if image_token is not None else None
         self._rope_owner: Any = None  # a meta-device instance with get_rope_index, built on first use
         cls = transformers_class(self.architecture)
@@ -107,7 +115,27 @@ class TransformersInputProcessor:
         positions, delta = self._rope_positions(where, ids, ranges, [reps[k] for _, k in order])
         return ProcessedPrompt(index=parsed.index, prompt=parsed.prompt, prompt_token_ids=ids,
                                placeholder_ranges=[PlaceholderRange(*r) for r in ranges], images=items,
-                               mrope_positions=positions, mrope_position_delta=delta, mm_processor_kwargs=kwargs)
+                               mrope_positions=positions, mrope_position_delta=delta, mm_processor_kwargs=kwargs,
+                               bidirectional_ranges=self._bidirectional_ranges(ids, ranges))
+
+    def _bidirectional_ranges(self, ids: list[int], ranges) -> list[PlaceholderRange]:
+        """The spans the model's own mask opens both ways (models/transformers_backend/quirks.py)."""
+        if self.bidirectional == "prompt":
+            return [PlaceholderRange(0, len(ids))]
+        if self.bidirectional != "image_runs":
+            return []
+        runs: list[PlaceholderRange] = []
+        for off, n in ranges:
+            k = off
+            while k < off + n:
+                if ids[k] != self.image_token_id:
+                    k += 1
+                    continue
+                start = k
+                while k < off + n and ids[k] == self.image_token_id:
+                    k += 1
+                runs.append(PlaceholderRange(start, k - start))
+        return runs
 
     def _rope_positions(self, where: str, ids: list[int], ranges, reps) -> tuple[torch.Tensor | None, int]:
         """The model's own 3-D rotary positions ([3, num_tokens], delta), or (None, 0)."""

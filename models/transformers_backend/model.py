@@ -29,6 +29,7 @@ from torch import nn
 from mmkit.models.interfaces import MultiModalKwargs, decoder_sliding_window
 from mmkit.models.transformers_backend import attention
 from mmkit.models.transformers_backend.qualify import transformers_class
+from mmkit.models.transformers_backend.quirks import quirks_of
 
 # Keys of an item's model inputs that belong to mmkit (the span), not to get_image_features.
 SPAN_IDS_KEY = "mmkit_span_ids"
@@ -101,6 +102,7 @@ class TransformersBackendModel(nn.Module):
         self.final_logit_softcapping = (getattr(config, "final_logit_softcapping", None)
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
+        self.position_offset = quirks_of(config).position_offset
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
@@ -178,6 +180,8 @@ class TransformersBackendModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
         # inputs_embeds [T, hidden]; positions [T] or [3, T] -> hidden [T, hidden]
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None, :]
+        if self.position_offset:
+            position_ids = position_ids + self.position_offset
         step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes)
         token = attention.current_step().set(step)
         try:

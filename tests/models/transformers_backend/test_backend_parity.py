@@ -77,3 +77,39 @@ def test_backend_expands_prompts_as_the_processor_does(qwen_ckpt):
     outs = llm.generate([c.as_input() for c in cases], use_tqdm=False)
     for case, out in zip(cases, outs):
         assert out.prompt_token_ids == ref.inputs(case)["input_ids"][0].tolist(), case.name
+
+
+def test_gemma3_sliding_windows_softcapped_logits_and_bidirectional_image_runs(tmp_path_factory):
+    """Gemma 3 through the backend: sliding layers (a window of 8 tokens, shorter than the
+    prompts), final logit soft-capping, and image runs attended both ways (its forward's mask)."""
+    from mmkit.testing.gemma3 import build_tiny_gemma3
+
+    path = build_tiny_gemma3(tmp_path_factory.mktemp("backend_gemma3"), sliding_window=8, final_logit_softcapping=30.0)
+    template = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+    cases = [ParityCase(template.format("Tell me a story."), name="text"),
+             ParityCase(template.format("<start_of_image>What is it?"), [IMG1], name="one image"),
+             ParityCase(template.format("<start_of_image> and <start_of_image> compared."), [IMG2, IMG3],
+                        name="two images")]
+    ref = TransformersReference(str(path))
+    assert_backend_parity(path, cases, reference=ref.greedy, max_tokens=8)
+
+
+def test_the_masked_attention_path_reads_the_paged_cache_like_the_kernels(llava_ckpt, monkeypatch):
+    """The eager path (soft-capping, chunked attention) on every layer, with a chunk longer than
+    any sequence (so it computes plain causal attention): the same ids as transformers under
+    batching, chunked prefill, preemption and prefix hits."""
+    from mmkit.models.transformers_backend import model as backend
+
+    load = backend.TransformersBackendModel.load_checkpoint
+
+    def load_with_chunks(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        self.layer_chunk_sizes = (1 << 20,) * self.config.get_text_config().num_hidden_layers
+
+    monkeypatch.setattr(backend.TransformersBackendModel, "load_checkpoint", load_with_chunks)
+    calls = []
+    masked = backend.attention._masked_attention
+    monkeypatch.setattr(backend.attention, "_masked_attention", lambda *a: calls.append(1) or masked(*a))
+    cases = _cases(llava_ckpt, LLAVA_TEMPLATE)
+    assert_backend_parity(llava_ckpt, cases, reference=TransformersReference(str(llava_ckpt)).greedy, max_tokens=8)
+    assert calls
