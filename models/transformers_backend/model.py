@@ -127,9 +127,11 @@ class TransformersBackendModel(nn.Module):
         attention.disable_module_temperature_tuning(self.language_model)
         self.uses_mrope = rope_index_owner(hf_model) is not None
         # Float32 buffers (rotary inverse frequencies) stay float32 across the loader's final
-        # cast, as transformers keeps them in a bf16 model.
+        # cast, as transformers keeps them in a bf16 model; complex ones (Llama 4's vision
+        # rotary `freqs_ci`) keep their imaginary part.
         self._fp32_buffers = [(m, n, b.detach().clone()) for m in hf_model.modules()
-                              for n, b in m.named_buffers(recurse=False) if b.dtype == torch.float32]
+                              for n, b in m.named_buffers(recurse=False)
+                              if b.dtype == torch.float32 or b.is_complex()]
         # DeepSeek-VL has get_image_features on its base model only.
         owner = hf_model if callable(getattr(hf_model, "get_image_features", None)) else getattr(hf_model, "model")
         self._get_image_features = owner.get_image_features
@@ -137,7 +139,7 @@ class TransformersBackendModel(nn.Module):
 
     def prepare_for_inference(self) -> int:
         for module, name, fp32 in self._fp32_buffers:
-            if getattr(module, name).dtype != torch.float32:
+            if getattr(module, name).dtype != fp32.dtype:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
         return 0
