@@ -36,16 +36,7 @@ def reference_for(path):
     return reference
 
 
-# Known gaps of the backend, each a strict xfail (it must start passing when fixed).
-KNOWN_GAPS = {
-    "llama4/moe": "image prompts differ from transformers (under investigation)",
-    "llama4/interleaved": "image prompts differ from transformers (under investigation)",
-    "paligemma/paligemma2": "Gemma 2 decoder under PaliGemma 2 differs (under investigation)",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n]))
-                                  if n in KNOWN_GAPS else n for n in hf_tiny_names()])
+@pytest.mark.parametrize("name", hf_tiny_names())
 def test_backend_matches_transformers(hf_tiny, name):
     path = hf_tiny(name)
     assert_backend_parity(path, parity_cases(path, name), model_impl="transformers", max_tokens=4,
