@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from mmkit.layers.attention import AttentionMetadata, gather_blocks, paged_attention, write_kv
+from mmkit.models.transformers_backend.quirks import fix_position_dependent_query
 
 ATTN_IMPLEMENTATION = "mmkit_paged"
 
@@ -43,7 +44,7 @@ class BackendStep:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     layer_chunk_sizes: Sequence[int | None] = ()
-    positions: torch.Tensor | None = None  # [T] each token's position (query temperature tuning)
+    positions: torch.Tensor | None = None  # [T] each row's position (the text row for 3-D rotary)
 
 
 _STEP: contextvars.ContextVar[BackendStep | None] = contextvars.ContextVar("mmkit_backend_step", default=None)
@@ -69,9 +70,8 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise RuntimeError(f"mmkit_paged attention expects the step flattened into one row; got batch {query.shape[0]}")
     k_cache, v_cache = step.kv_caches[layer]
-    temperature = getattr(module, TEMPERATURE_ATTR, None)
-    if temperature is not None:
-        query = query * query_temperature(step.positions, *temperature)[None, None, :, None].to(query.dtype)
+    if step.positions is not None:
+        query = fix_position_dependent_query(module, query, step.positions)
     q = query[0].transpose(0, 1).contiguous()  # [T, num_heads, head_dim]
     k = key[0].transpose(0, 1).contiguous().to(k_cache.dtype)  # [T, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous().to(v_cache.dtype)
@@ -86,27 +86,6 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     else:
         out = _masked_attention(q, k, v, k_cache, v_cache, step.meta, scale, window, chunk, softcap)
     return out.unsqueeze(0), None
-
-
-# Llama 4's layers without rotary scale their queries by position (attention temperature
-# tuning); the module computes the positions from its KV cache, which the backend does not
-# pass, so the backend turns the module's own scaling off and applies it here with each token's
-# real position (`disable_module_temperature_tuning`).
-TEMPERATURE_ATTR = "mmkit_query_temperature"
-
-
-def disable_module_temperature_tuning(model: torch.nn.Module) -> None:
-    """Move every attention module's query temperature tuning (`attn_temperature_tuning` on a
-    layer without rotary) to `mmkit_paged_attention`: (floor_scale, attn_scale) kept on the module."""
-    for module in model.modules():
-        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-            setattr(module, TEMPERATURE_ATTR, (float(module.floor_scale), float(module.attn_scale)))
-            module.attn_temperature_tuning = False
-
-
-def query_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
-    """[T] positions -> [T] query scales, as transformers' Llama 4 attention computes them."""
-    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -20,6 +20,7 @@ The runner's interface (models/interfaces.py) maps onto the model's own methods:
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -124,7 +125,6 @@ class TransformersBackendModel(nn.Module):
         self.hf_model = hf_model.eval()
         self.language_model = language_model_of(hf_model)
         self.language_model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
-        attention.disable_module_temperature_tuning(self.language_model)
         self.uses_mrope = rope_index_owner(hf_model) is not None
         # Float32 buffers (rotary inverse frequencies) stay float32 across the loader's final
         # cast, as transformers keeps them in a bf16 model; complex ones (Llama 4's vision
@@ -142,7 +142,15 @@ class TransformersBackendModel(nn.Module):
             if getattr(module, name).dtype != fp32.dtype:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
-        return 0
+        if os.environ.get("MMKIT_BACKEND_PACKED_LINEAR", "1") == "0":  # A/B: transformers' own linears
+            return 0
+        from mmkit.models.transformers_backend.linear import swap_linears
+
+        # The decoder's linears drop their row-major copy once packed; the LM head keeps it
+        # (it may be the token embedding, tied).
+        head = self.hf_model.get_output_embeddings()
+        return swap_linears(self.language_model, release_weights=True) + \
+            (swap_linears(head, release_weights=False) if isinstance(head, nn.Module) else 0)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod
@@ -199,8 +207,8 @@ class TransformersBackendModel(nn.Module):
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None, :]
         if self.position_offset:
             position_ids = position_ids + self.position_offset
-        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes,
-                                     positions=positions if positions.dim() == 1 else positions[0])
+        flat_positions = positions[0] if positions.dim() == 2 else positions
+        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset)
         token = attention.current_step().set(step)
         try:
             out = self.language_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
