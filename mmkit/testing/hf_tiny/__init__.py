@@ -41,6 +41,8 @@ SPECS: dict[str, TinySpec] = {
     **_family("Llama4ForConditionalGeneration", "llama4", "build_tiny_llama4", ("moe", "interleaved"), "<|image|>"),
     **_family("Glm4vForConditionalGeneration", "glm4v", "build_tiny_glm4v", ("base", "gqa"),
               "<|begin_of_image|><|image|><|end_of_image|>"),
+    **_family("Glm4vMoeForConditionalGeneration", "glm4v", "build_tiny_glm4v", ("moe", "moe_gqa"),
+              "<|begin_of_image|><|image|><|end_of_image|>"),
     **_family("PaliGemmaForConditionalGeneration", "paligemma", "build_tiny_paligemma",
               ("paligemma", "paligemma2"), "<image>", needs_image=True),
     **_family("AyaVisionForConditionalGeneration", "aya_vision", "build_tiny_aya_vision", ("tiles", "single"),
