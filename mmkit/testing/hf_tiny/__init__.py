@@ -30,6 +30,7 @@ class TinySpec:
     config: str  # a key of the module's CONFIGS
     placeholder: str  # the prompt text standing for one image
     needs_image: bool = False  # the processor refuses a prompt without an image (PaliGemma)
+    refused: str | None = None  # out of the backend's scope: the reason its refusal names
 
 
 def _family(architecture: str, module: str, builder: str, configs: tuple[str, ...], placeholder: str,
@@ -54,12 +55,18 @@ SPECS: dict[str, TinySpec] = {
     **_family("Ovis2ForConditionalGeneration", "ovis2", "build_tiny_ovis2", ("tiles", "single"), "<image>"),
     **_family("DeepseekVLForConditionalGeneration", "deepseek_vl", "build_tiny_deepseek_vl", ("base", "gqa"),
               "<image_placeholder>"),
+    # Out of scope, for the refusal tests: a hybrid and a cross-attention decoder.
+    **_family("Lfm2VlForConditionalGeneration", "lfm2_vl", "build_tiny_lfm2_vl", ("hybrid", "hybrid_tied"),
+              "<image>", refused="hybrid model"),
+    **_family("MllamaForConditionalGeneration", "mllama", "build_tiny_mllama", ("cross", "cross_two"), "<|image|>",
+              refused="cross-attention layers"),
 }
 
 
-def hf_tiny_names() -> list[str]:
-    """Every `<family>/<configuration>` name `build_hf_tiny` builds."""
-    return sorted(SPECS)
+def hf_tiny_names(refused: bool = False) -> list[str]:
+    """The `<family>/<configuration>` names `build_hf_tiny` builds: those the transformers
+    backend runs, or (`refused=True`) those it refuses."""
+    return sorted(name for name, spec in SPECS.items() if (spec.refused is not None) == refused)
 
 
 def build_hf_tiny(name: str, out_dir: str | Path, **overrides: Any) -> Path:
