@@ -165,7 +165,10 @@ class _ModelRegistry:
             from mmkit.models.transformers_backend.qualify import transformers_class
 
             cls = transformers_class(architecture)
-            config = cls.config_class() if cls is not None and getattr(cls, "config_class", None) else None
+            try:  # the class's default config: enough to see what kind of decoder it is
+                config = cls.config_class() if cls is not None and getattr(cls, "config_class", None) else None
+            except Exception:  # noqa: BLE001 - a config class that needs arguments
+                config = None
             if config is None:
                 config = SimpleNamespace(architectures=[architecture], model_type=None,
                                          get_text_config=lambda: SimpleNamespace())

@@ -45,6 +45,9 @@ class BackendStep:
     meta: AttentionMetadata
     layer_chunk_sizes: Sequence[int | None] = ()
     positions: torch.Tensor | None = None  # [T] each row's position (the text row for 3-D rotary)
+    # Each layer's window as transformers decides it from the config (mmkit/layers/sliding_window.py),
+    # for modules that leave the window to the mask instead of passing `sliding_window`.
+    layer_windows: Sequence[int | None] = ()
 
 
 _STEP: contextvars.ContextVar[BackendStep | None] = contextvars.ContextVar("mmkit_backend_step", default=None)
@@ -76,7 +79,7 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     k = key[0].transpose(0, 1).contiguous().to(k_cache.dtype)  # [T, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous().to(v_cache.dtype)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window") or None
+    window = kwargs.get("sliding_window") or (step.layer_windows[layer] if layer < len(step.layer_windows) else None)
     softcap = kwargs.get("softcap") or None
     chunk = step.layer_chunk_sizes[layer] if layer < len(step.layer_chunk_sizes) else None
     # The native kernels clip a bidirectional span by the window; transformers does not.

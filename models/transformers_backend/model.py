@@ -101,6 +101,9 @@ class TransformersBackendModel(nn.Module):
         chunk = getattr(text, "attention_chunk_size", None)
         self.layer_chunk_sizes = tuple(chunk if t == "chunked_attention" else None
                                        for t in (getattr(text, "layer_types", None) or []))
+        from mmkit.layers.sliding_window import layer_windows
+
+        self.layer_windows = tuple(layer_windows(text))
         self.final_logit_softcapping = (getattr(config, "final_logit_softcapping", None)
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
@@ -208,7 +211,8 @@ class TransformersBackendModel(nn.Module):
         if self.position_offset:
             position_ids = position_ids + self.position_offset
         flat_positions = positions[0] if positions.dim() == 2 else positions
-        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset)
+        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset,
+                                     self.layer_windows)
         token = attention.current_step().set(step)
         try:
             out = self.language_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,
