@@ -259,7 +259,9 @@ class ModelRunner:
             state = c.state
             table = state.block_table
             start, end = c.start, c.end
-            if end - start == 1:
+            # NOTE: one token inside a bidirectional span (a prefix-cache hit up to the prompt's
+            # last token) is a prefill chunk: its query must see the whole span.
+            if end - start == 1 and not any(lo <= start < lo + n for lo, n in state.bidirectional_ranges):
                 ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)

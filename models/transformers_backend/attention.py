@@ -82,7 +82,9 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     window = kwargs.get("sliding_window") or (step.layer_windows[layer] if layer < len(step.layer_windows) else None)
     softcap = kwargs.get("softcap") or None
     chunk = step.layer_chunk_sizes[layer] if layer < len(step.layer_chunk_sizes) else None
-    if softcap is None and chunk is None:
+    # The native kernels clip a bidirectional span by the window; transformers does not.
+    windowed_spans = bool(window) and any(c.spans for c in step.meta.prefills)
+    if softcap is None and chunk is None and not windowed_spans:
         out = paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window=window)
     else:
         out = _masked_attention(q, k, v, k_cache, v_cache, step.meta, scale, window, chunk, softcap)
@@ -107,6 +109,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             first = max(first, ctx - num_q - window + 1)
         if chunk:
             first = max(first, (ctx - num_q) // chunk * chunk)
+        if spans:
+            first = min([first] + [lo for lo, hi in spans if lo < ctx])
         first = first // bs * bs
         blocks = table[first // bs:-(-ctx // bs)].to(device)
         kk = gather_blocks(k_cache, blocks, 1)[:, 0, :ctx - first]  # [kv_heads, keys, D]
@@ -114,12 +118,14 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q_pos = torch.arange(ctx - num_q, ctx, device=device)[:, None]
         k_pos = torch.arange(first, ctx, device=device)[None, :]
         allowed = k_pos <= q_pos
-        for lo, hi in spans:
-            allowed |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
         if window:
             allowed &= k_pos > q_pos - window
         if chunk:
             allowed &= (k_pos // chunk) == (q_pos // chunk)
+        # NOTE: transformers ORs the blockwise overlay onto the sliding / chunked causal mask,
+        # so a span's queries see every key of their span, however far back.
+        for lo, hi in spans:
+            allowed |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
         qq = q[start:start + num_q].transpose(0, 1)  # [H, num_q, D]
         group = qq.shape[0] // kk.shape[0]
         kk = kk.repeat_interleave(group, dim=0)  # transformers' repeat_kv order
