@@ -232,6 +232,8 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: list[int] | None = None) -> None:
         from mmkit.layers.attention_backend import compiled_flex_attention
 
+        if runner.uses_mrope or runner.embed_width_factor != 1:
+            raise ValueError("decode graphs: M-RoPE and DeepStack models run their decode steps eagerly")
         config = runner.config
         mc = config.model
         self.runner = runner
@@ -249,10 +251,14 @@ class DecodeGraphs:
         self.graph_runner = GraphRunner(self.sizes, self._forward, runner.device)
 
     @classmethod
-    def enable(cls, runner, sizes: list[int] | None = None) -> "DecodeGraphs":
+    def enable(cls, runner, sizes: list[int] | None = None) -> "DecodeGraphs | None":
         """Graphs on a runner built without them (before any request): the caches get the null
-        block. The CPU tests use it to run the stand-in inside a real engine."""
+        block. The CPU tests use it to run the stand-in inside a real engine. None for a model
+        whose decode steps graphs do not take (M-RoPE, DeepStack)."""
         from mmkit.worker.kv_cache import allocate_kv_caches
+
+        if runner.uses_mrope or runner.embed_width_factor != 1:
+            return None
 
         runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_blocks + 1, runner.block_size)
         runner.decode_graphs = cls(runner, sizes)
