@@ -43,8 +43,11 @@ except ImportError:  # pragma: no cover - older torch
     flex_attention = None  # type: ignore[assignment]
 
 # Query rows per tile of the prefill BlockMask (the Triton kernel's sparse block; 128 is
-# FlexAttention's default). Decode calls have one query row per batch entry.
+# FlexAttention's default).
 PREFILL_Q_TILE = 128
+# The decode BlockMask's query tile: one query row per batch entry, but the Triton kernels need a
+# sparse Q block that their BLOCK_M (at least 16) divides, so the one row sits in a tile of 128.
+DECODE_Q_TILE = 128
 
 
 class UnsupportedAttention(ValueError):
@@ -192,7 +195,8 @@ def _decode_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
         lo, hi = _live_range(fm, s, n - 1, n - 1, window)
         lists.append(fm.tables[s][lo:hi])
     kv_num, kv_idx = _pack(lists, fm.num_blocks, fm.physical_to_logical.device)
-    return BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, fm.block_size),
+    return BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :],
+                                    BLOCK_SIZE=(DECODE_Q_TILE, fm.block_size),
                                     mask_mod=_mask_mod(fm, fm.decode_rows, window, lambda b, q: b),
                                     seq_lengths=(1, fm.num_blocks * fm.block_size), compute_q_blocks=False)
 

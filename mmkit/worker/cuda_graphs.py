@@ -165,7 +165,8 @@ class DecodeBuffers:
         for w in self.windows:
             kv_idx = self._kv_idx[w][:padded, :self.num_cache_blocks]
             fm._masks[("decode", w)] = flex.BlockMask.from_kv_blocks(
-                self._kv_num[w][:padded, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, self.block_size),
+                self._kv_num[w][:padded, None, None], kv_idx[:, None, None, :],
+                BLOCK_SIZE=(flex.DECODE_Q_TILE, self.block_size),
                 mask_mod=flex._mask_mod(fm, rows, w, lambda b, q: b),
                 seq_lengths=(1, self.num_cache_blocks * self.block_size), compute_q_blocks=False)
         return fm
