@@ -143,18 +143,15 @@ class DecodeBuffers:
         self._pos32[:padded].copy_(pos)
         block = tables.gather(1, (pos // bs)[:, None])[:, 0].long()
         self.slot_mapping[:padded].copy_(block * bs + pos % bs)
-        live = -(-(pos + 1) // bs)  # [padded] live blocks per row
-        cols = torch.arange(self.max_blocks_per_seq, device=self.device)
-        logical = torch.where(cols[None, :] < live[:, None], cols[None, :].to(torch.int32), -1)
+        lens = pos + 1
         p2l = self.physical_to_logical[:padded]
         p2l.fill_(-1)
-        p2l.scatter_(1, tables.long(), logical.to(torch.int32))
+        flex._scatter_logical(p2l, tables, -(-lens // bs))
         p2l[:, self.null_block] = torch.where(pos == 0, 0, -1).to(torch.int32)  # padding reads its own row 0
         for w in self.windows:
-            first = (torch.clamp(pos + 1 - w, min=0) // bs) if w else torch.zeros_like(pos)
-            idx = torch.clamp(first[:, None] + cols[None, :], max=self.max_blocks_per_seq - 1)
-            self._kv_idx[w][:padded, :self.max_blocks_per_seq].copy_(tables.gather(1, idx))
-            self._kv_num[w][:padded].copy_(live - first)
+            kv_num, kv_idx = flex.decode_block_lists(tables, lens, bs, w, self.num_cache_blocks)
+            self._kv_num[w][:padded].copy_(kv_num)
+            self._kv_idx[w][:padded, :self.num_cache_blocks].copy_(kv_idx)
 
     def flex_metadata(self, padded: int) -> flex.FlexMetadata:
         """A FlexMetadata over rows [0, padded) whose tensors are views of the buffers: built
