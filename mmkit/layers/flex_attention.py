@@ -89,6 +89,8 @@ class FlexMetadata:
     prefill_first_pos: list[int] = field(default_factory=list)  # per seq: first query position
     q_tile: int = PREFILL_Q_TILE
     decode_tables: torch.Tensor | None = None  # [num_decodes, width] padded block tables
+    # Per prefill chunk: (first row among the prefill rows, query_len, bidirectional spans).
+    prefill_chunks: list[tuple[int, int, tuple]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)
 
     def block_mask(self, kind: str, sliding_window: int | None) -> "BlockMask":
@@ -147,7 +149,8 @@ def build_flex_metadata(meta: AttentionMetadata, num_blocks: int, q_tile: int = 
             tile_seqs.append([nd + j for j in range(len(meta.prefills)) if starts[j] < t1 and starts[j + 1] > t0])
         first_pos = [0] * nd + [c.context_len - c.query_len for c in meta.prefills]
     return FlexMetadata(bs, num_blocks, nd, num_prefill, p2l, tables, seq_lens, decode_rows, prefill_rows,
-                        tiles, tile_seqs, first_pos, q_tile, padded if nd else None)
+                        tiles, tile_seqs, first_pos, q_tile, padded if nd else None,
+                        [(starts[j], c.query_len, c.spans) for j, c in enumerate(meta.prefills)] if meta.prefills else [])
 
 
 def _scatter_logical(p2l: torch.Tensor, tables: torch.Tensor, live: torch.Tensor) -> None:
@@ -224,14 +227,18 @@ def _prefill_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
     for (t0, t1), seqs in zip(fm.prefill_tiles, fm.prefill_tile_seqs):
         parts = []
         for s in seqs:
-            # The tile's rows of seq s: positions from first_pos + (row - chunk start).
-            sel = rows.seq[t0:t1] == s
-            positions = rows.pos[t0:t1][sel]
-            q_first, q_last = int(positions.min()), int(positions.max())
+            # The tile's rows of chunk j, in host arithmetic (no device reads): its rows
+            # [start, start + query_len) hold positions first_pos + (row - start).
+            j = s - fm.num_decodes
+            start, query_len, spans = fm.prefill_chunks[j]
+            first = fm.prefill_first_pos[s]
+            q_first = first + max(t0, start) - start
+            q_last = first + min(t1, start + query_len) - 1 - start
             lo, hi = _live_range(fm, s, q_first, q_last, window)
-            spans_hi = int(rows.span_hi[t0:t1][sel].max())  # a span may reach past the last query
+            # A bidirectional span holding one of the tile's queries may reach past the last one.
+            spans_hi = max((h for lo_s, h in spans if lo_s <= q_last and h > q_first), default=0)
             hi = max(hi, -(-spans_hi // fm.block_size))
-            parts.append(fm.tables[s - fm.num_decodes][lo:hi])
+            parts.append(fm.tables[j][lo:hi])
         blocks = torch.cat(parts).long()
         lists.append(torch.unique(blocks[blocks >= 0]))
     kv_num, kv_idx = _pack(lists, fm.num_blocks, rows.seq.device)
