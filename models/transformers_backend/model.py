@@ -108,6 +108,7 @@ class TransformersBackendModel(nn.Module):
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
         self.position_offset = quirks_of(config).position_offset
+        self.logit_scale = getattr(text, "logit_scale", None) if quirks_of(config).scale_logits else None
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
@@ -223,6 +224,8 @@ class TransformersBackendModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
