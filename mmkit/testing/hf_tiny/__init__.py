@@ -56,6 +56,8 @@ SPECS: dict[str, TinySpec] = {
     **_family("DeepseekVLForConditionalGeneration", "deepseek_vl", "build_tiny_deepseek_vl", ("base", "gqa"),
               "<image_placeholder>"),
     **_family("FastVlmForConditionalGeneration", "fast_vlm", "build_tiny_fast_vlm", ("base", "large"), "<image>"),
+    **_family("PerceptionLMForConditionalGeneration", "perception_lm", "build_tiny_perception_lm", ("tiles", "thumb"),
+              "<|image|>"),
     # Out of scope, for the refusal tests: a hybrid and a cross-attention decoder.
     **_family("Lfm2VlForConditionalGeneration", "lfm2_vl", "build_tiny_lfm2_vl", ("hybrid", "hybrid_tied"),
               "<image>", refused="hybrid model"),
