@@ -60,6 +60,7 @@ SPECS: dict[str, TinySpec] = {
               requires=("timm",)),
     **_family("PerceptionLMForConditionalGeneration", "perception_lm", "build_tiny_perception_lm", ("tiles", "thumb"),
               "<|image|>", requires=("timm",)),
+    **_family("VipLlavaForConditionalGeneration", "vipllava", "build_tiny_vipllava", ("layers3", "layers2"), "<image>"),
     # Out of scope, for the refusal tests: a hybrid and a cross-attention decoder.
     **_family("Lfm2VlForConditionalGeneration", "lfm2_vl", "build_tiny_lfm2_vl", ("hybrid", "hybrid_tied"),
               "<image>", refused="hybrid model"),

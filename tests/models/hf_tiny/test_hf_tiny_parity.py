@@ -41,7 +41,7 @@ def reference_for(path):
 # other configurations run with the slow tests (`-m slow`), keeping this folder near 90 s.
 SLOW = {"llama4/interleaved", "glm4v/gqa", "glm4v/moe_gqa", "paligemma/paligemma", "aya_vision/single",
         "cohere2_vision/wide", "lighton_ocr/gqa", "ovis2/single", "deepseek_vl/gqa",
-        "fast_vlm/large", "perception_lm/thumb"}
+        "fast_vlm/large", "perception_lm/thumb", "vipllava/layers2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
