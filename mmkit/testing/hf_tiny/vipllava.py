@@ -43,7 +43,8 @@ def build_tiny_vipllava(out_dir: str | Path, *, seed: int = 0, hidden: int = 64,
     config = tf.VipLlavaConfig(vision_config=vision, text_config=text,
                                vision_feature_layer=list(feature_layers or [-2, -1]),
                                image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-                               image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=tie_word_embeddings)
+                               image_seq_length=(image_size // patch_size) ** 2,
+                               tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = tf.VipLlavaForConditionalGeneration(config).eval()
     randomize_constant_weights(model)
