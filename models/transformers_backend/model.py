@@ -137,8 +137,9 @@ class TransformersBackendModel(nn.Module):
                               for n, b in m.named_buffers(recurse=False)
                               if b.dtype == torch.float32 or b.is_complex()]
         # DeepSeek-VL has get_image_features on its base model only.
-        owner = hf_model if callable(getattr(hf_model, "get_image_features", None)) else getattr(hf_model, "model")
-        self._get_image_features = owner.get_image_features
+        owner = (hf_model if callable(getattr(hf_model, "get_image_features", None))
+                 else getattr(hf_model, "model", None))
+        self._get_image_features = getattr(owner, "get_image_features", None)
         self._image_feature_params = _parameter_names(self._get_image_features)
 
     def prepare_for_inference(self) -> int:
@@ -170,6 +171,9 @@ class TransformersBackendModel(nn.Module):
         for item in items:
             span_ids = item[SPAN_IDS_KEY]
             mask = item[FEATURE_MASK_KEY].bool()
+            if self._get_image_features is None:
+                raise ValueError(f"model: {self.architecture} has no get_image_features (on the model or its base "
+                                 "model); the transformers backend cannot encode its images")
             raw = self._get_image_features(**self._feature_kwargs(item))
             features = features_as_rows(raw, self.hidden_size)
             if features.shape[0] != int(mask.sum()):
