@@ -36,3 +36,17 @@ def test_the_refused_checkpoints_run_in_transformers(hf_tiny):
     for name in hf_tiny_names(refused=True):
         model = AutoModelForImageTextToText.from_pretrained(str(hf_tiny(name)))
         assert type(model).__name__ == SPECS[name].architecture
+
+
+def test_per_layer_token_inputs_are_refused_by_name(tmp_path):
+    """Gemma 4's decoder layers read per-layer embeddings of the token ids, which the backend
+    (merged embeddings in) cannot give: refused from config.json, not run wrong."""
+    from transformers import Gemma4Config
+
+    config = Gemma4Config()
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"Gemma4ForConditionalGeneration cannot run with model_impl='transformers': "
+                                         r"its decoder layers read per-layer embeddings of the token ids "
+                                         r"\(hidden_size_per_layer_input=256\)"):
+        LLM(str(tmp_path), dtype="float32", model_impl="transformers")
