@@ -270,4 +270,12 @@ _register("Qwen3VLForConditionalGeneration", "mmkit.models.qwen3_vl:Qwen3VLForCo
           processor="mmkit.processors.qwen3_vl:Qwen3VLInputProcessor", model_types=("qwen3_vl",))
 _register("Qwen3VLMoeForConditionalGeneration", "mmkit.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
           processor="mmkit.processors.qwen3_vl:Qwen3VLInputProcessor", model_types=("qwen3_vl_moe",))
+# Qwen3.5 and Qwen3.5-MoE, hybrid decoders (models/qwen3_5.py; Qwen3-VL's processor)
+_register("Qwen3_5ForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+          processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5",))
+_register("Qwen3_5MoeForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+          processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5_moe",))
+# LFM2-VL, a hybrid decoder of short convolutions and attention (models/lfm2_vl.py, processors/lfm2_vl.py)
+_register("Lfm2VlForConditionalGeneration", "mmkit.models.lfm2_vl:Lfm2VlForConditionalGeneration",
+          processor="mmkit.processors.lfm2_vl:Lfm2VlInputProcessor", model_types=("lfm2_vl",))
 del _register
