@@ -1,7 +1,8 @@
 """Real tiny checkpoints out of the backend's scope (built with transformers' own classes and
 processors): a hybrid (LFM2-VL: convolution layers) and a cross-attention decoder (Mllama) are
-refused with the reason and the model_impl to try, before any weight is read (their weights
-file is replaced by garbage: reading it would fail differently)."""
+refused by the backend with the reason and the model_impl to try (a native family where mmkit
+has one), before any weight is read (their weights file is replaced by garbage: reading it would
+fail differently)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,24 @@ from mmkit import LLM, ModelRegistry
 from mmkit.testing.hf_tiny import SPECS, hf_tiny_names
 
 
-@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
 @pytest.mark.parametrize("name", hf_tiny_names(refused=True))
-def test_refused_before_weights_load(hf_tiny, tmp_path, name, model_impl):
+def test_refused_before_weights_load(hf_tiny, tmp_path, name):
     spec = SPECS[name]
+    native = spec.architecture in ModelRegistry.get_supported_archs()
     path = shutil.copytree(hf_tiny(name), tmp_path / "ckpt")
     (path / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError) as info:
-        LLM(str(path), dtype="float32", model_impl=model_impl)
-    message = str(info.value)
-    assert spec.architecture in message and spec.refused in message, message
-    assert "model_impl='transformers'" in message and "register_model" in message, message
-    with pytest.raises(ValueError, match=spec.refused):
-        ModelRegistry.get_implementation(spec.architecture)
+    # model_impl="auto" refuses too where mmkit has no native family (with one, auto runs it).
+    for model_impl in ["transformers"] + ([] if native else ["auto"]):
+        with pytest.raises(ValueError) as info:
+            LLM(str(path), dtype="float32", model_impl=model_impl)
+        message = str(info.value)
+        assert spec.architecture in message and spec.refused in message, message
+        assert "model_impl='transformers'" in message, message
+        # What would run it: the native family, else a registered implementation.
+        assert ("model_impl='mmkit'" if native else "register_model") in message, message
+    if not native:
+        with pytest.raises(ValueError, match=spec.refused):
+            ModelRegistry.get_implementation(spec.architecture)
 
 
 def test_the_refused_checkpoints_run_in_transformers(hf_tiny):
