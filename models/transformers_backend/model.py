@@ -108,6 +108,7 @@ class TransformersBackendModel(nn.Module):
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
         self.position_offset = quirks_of(config).position_offset
+        self.logit_scale = getattr(text, "logit_scale", None) if quirks_of(config).scale_logits else None
 
     # ------------------------------------------------------------------ loading
     def load_checkpoint(self, path: Path, dtype: torch.dtype | None = None,
@@ -136,8 +137,9 @@ class TransformersBackendModel(nn.Module):
                               for n, b in m.named_buffers(recurse=False)
                               if b.dtype == torch.float32 or b.is_complex()]
         # DeepSeek-VL has get_image_features on its base model only.
-        owner = hf_model if callable(getattr(hf_model, "get_image_features", None)) else getattr(hf_model, "model")
-        self._get_image_features = owner.get_image_features
+        owner = (hf_model if callable(getattr(hf_model, "get_image_features", None))
+                 else getattr(hf_model, "model", None))
+        self._get_image_features = getattr(owner, "get_image_features", None)
         self._image_feature_params = _parameter_names(self._get_image_features)
 
     def prepare_for_inference(self) -> int:
@@ -169,6 +171,9 @@ class TransformersBackendModel(nn.Module):
         for item in items:
             span_ids = item[SPAN_IDS_KEY]
             mask = item[FEATURE_MASK_KEY].bool()
+            if self._get_image_features is None:
+                raise ValueError(f"model: {self.architecture} has no get_image_features (on the model or its base "
+                                 "model); the transformers backend cannot encode its images")
             raw = self._get_image_features(**self._feature_kwargs(item))
             features = features_as_rows(raw, self.hidden_size)
             if features.shape[0] != int(mask.sum()):
@@ -223,6 +228,8 @@ class TransformersBackendModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf_model.get_output_embeddings()(hidden)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

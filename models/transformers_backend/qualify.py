@@ -29,6 +29,9 @@ _HYBRID_FIELDS = ("layers_block_type", "hybrid_override_pattern", "full_attn_idx
                   "mamba_d_state", "ssm_state_size", "linear_num_value_heads", "attn_layer_indices")
 _CROSS_ATTENTION_FIELDS = ("cross_attention_layers",)
 _SHARED_KV_FIELDS = ("num_kv_shared_layers",)
+# Decoders whose layers take per-layer inputs looked up from the token ids (Gemma 3n / Gemma 4's
+# `hidden_size_per_layer_input`): the backend hands the language model merged embeddings only.
+_TOKEN_ID_INPUT_FIELDS = ("hidden_size_per_layer_input",)
 
 
 class BackendUnsupportedError(ValueError):
@@ -82,6 +85,11 @@ def backend_refusal(hf_config: Any, architecture: str, native: bool = False) -> 
     shared = next((f for f in _SHARED_KV_FIELDS if getattr(text, f, None)), None)
     if shared is not None:
         return f"{where}: its layers share KV caches ({shared}={getattr(text, shared)}); {try_instead}"
+    per_layer = next((f for f in _TOKEN_ID_INPUT_FIELDS if getattr(text, f, None)), None)
+    if per_layer is not None:
+        return (f"{where}: its decoder layers read per-layer embeddings of the token ids ({per_layer}="
+                f"{getattr(text, per_layer)}), and the backend gives the language model embeddings only; "
+                f"{try_instead}")
     if not getattr(cls, "_supports_attention_backend", False) and not _text_model_supports_backend(text):
         return (f"{where}: transformers' {architecture} does not accept a custom attention function "
                 f"(_supports_attention_backend is False); {try_instead}")

@@ -22,6 +22,7 @@ from typing import Any
 class BackendQuirks:
     position_offset: int = 0
     bidirectional: str | None = None  # None | "image_runs" | "prompt"
+    scale_logits: bool = False  # logits times the text config's `logit_scale` after the LM head
 
 
 QUIRKS: dict[str, BackendQuirks] = {
@@ -29,6 +30,9 @@ QUIRKS: dict[str, BackendQuirks] = {
     "gemma3": BackendQuirks(bidirectional="image_runs"),
     # PaliGemma: 1-indexed positions, the prompt (image + prefix text) attended bidirectionally.
     "paligemma": BackendQuirks(position_offset=1, bidirectional="prompt"),
+    # Aya Vision: its forward multiplies the LM head's logits by text_config.logit_scale (Cohere's
+    # convention; Cohere2-Vision's forward does not).
+    "aya_vision": BackendQuirks(scale_logits=True),
 }
 
 

@@ -31,6 +31,7 @@ class TinySpec:
     placeholder: str  # the prompt text standing for one image
     needs_image: bool = False  # the processor refuses a prompt without an image (PaliGemma)
     refused: str | None = None  # out of the backend's scope: the reason its refusal names
+    requires: tuple[str, ...] = ()  # modules beyond mmkit's own dependencies (timm towers)
 
 
 def _family(architecture: str, module: str, builder: str, configs: tuple[str, ...], placeholder: str,
@@ -55,6 +56,11 @@ SPECS: dict[str, TinySpec] = {
     **_family("Ovis2ForConditionalGeneration", "ovis2", "build_tiny_ovis2", ("tiles", "single"), "<image>"),
     **_family("DeepseekVLForConditionalGeneration", "deepseek_vl", "build_tiny_deepseek_vl", ("base", "gqa"),
               "<image_placeholder>"),
+    **_family("FastVlmForConditionalGeneration", "fast_vlm", "build_tiny_fast_vlm", ("base", "large"), "<image>",
+              requires=("timm",)),
+    **_family("PerceptionLMForConditionalGeneration", "perception_lm", "build_tiny_perception_lm", ("tiles", "thumb"),
+              "<|image|>", requires=("timm",)),
+    **_family("VipLlavaForConditionalGeneration", "vipllava", "build_tiny_vipllava", ("layers3", "layers2"), "<image>"),
     # Out of scope, for the refusal tests: a hybrid and a cross-attention decoder.
     **_family("Lfm2VlForConditionalGeneration", "lfm2_vl", "build_tiny_lfm2_vl", ("hybrid", "hybrid_tied"),
               "<image>", refused="hybrid model"),

@@ -1,8 +1,8 @@
-"""Tiny random GLM-4.1V and GLM-4.5V (MoE decoder) checkpoints (Glm4v vision tower: 3-D patch embedding, learned position
-embeddings interpolated per image, 2-D axial rotary, 2x2 patch merger; GLM-4 decoder with its
-own 3-D rotary over half of each head, post-attention and post-MLP norms), built offline with
-transformers' own classes and Glm4vProcessor (an image is `<|begin_of_image|>` `<|image|>`*
-`<|end_of_image|>`, one `<|image|>` per 2x2 merged patches)."""
+"""Tiny random GLM-4.1V and GLM-4.5V (MoE decoder) checkpoints (Glm4v vision tower: 3-D patch
+embedding, learned position embeddings interpolated per image, 2-D axial rotary, 2x2 patch merger;
+GLM-4 decoder with its own 3-D rotary over half of each head, post-attention and post-MLP norms),
+built offline with transformers' own classes and Glm4vProcessor (an image is `<|begin_of_image|>`
+`<|image|>`* `<|end_of_image|>`, one `<|image|>` per 2x2 merged patches)."""
 
 from __future__ import annotations
 

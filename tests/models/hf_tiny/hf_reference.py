@@ -75,3 +75,15 @@ def hf_greedy_no_cache(path, request: dict[str, Any], max_tokens: int) -> list[i
 
 def placeholder(name: str) -> str:
     return SPECS[name].placeholder
+
+
+def hf_greedy_logprobs(path, request: dict[str, Any], max_tokens: int) -> tuple[list[int], list[float]]:
+    """`generate`'s greedy ids and each one's log-probability under the model's raw logits."""
+    model, _ = hf_model(str(path))
+    inputs = request_inputs(str(path), request)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), dim=-1)[t]) for step, t in zip(out.logits, ids)]
+    return ids, logprobs

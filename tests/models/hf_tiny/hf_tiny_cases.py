@@ -17,6 +17,8 @@ _BUILT: dict[str, Path] = {}
 def hf_tiny(tmp_path_factory):
     """hf_tiny(name) -> the checkpoint folder of `name`, built on first use."""
     def get(name: str) -> Path:
+        for module in SPECS[name].requires:
+            pytest.importorskip(module, reason=f"{name} needs {module} (the test extra installs it)")
         if name not in _BUILT:
             _BUILT[name] = build_hf_tiny(name, tmp_path_factory.mktemp(name.replace("/", "-")))
         return _BUILT[name]

@@ -36,7 +36,16 @@ def reference_for(path):
     return reference
 
 
-@pytest.mark.parametrize("name", hf_tiny_names())
+# The default suite runs one configuration per architecture (the one exercising the most:
+# tiles, MoE with chunked attention, soft-capping with sliding layers under a prefix-LM); the
+# other configurations run with the slow tests (`-m slow`), keeping this folder near 90 s.
+SLOW = {"llama4/interleaved", "glm4v/gqa", "glm4v/moe_gqa", "paligemma/paligemma", "aya_vision/single",
+        "cohere2_vision/wide", "lighton_ocr/gqa", "ovis2/single", "deepseek_vl/gqa",
+        "fast_vlm/large", "perception_lm/thumb", "vipllava/layers2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in hf_tiny_names()])
 def test_backend_matches_transformers(hf_tiny, name):
     path = hf_tiny(name)
     assert_backend_parity(path, parity_cases(path, name), model_impl="transformers", max_tokens=4,
