@@ -184,7 +184,11 @@ def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True).text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    # A hybrid decoder (Qwen3.5): only its full-attention layers keep K/V.
+    types = getattr(cfg, "layer_types", None) or []
+    num_kv_layers = sum(t != "linear_attention" for t in types[:cfg.num_hidden_layers]) if types \
+        else cfg.num_hidden_layers
+    return 2 * num_kv_layers * cfg.num_key_value_heads * head_dim * elem
 
 
 # ---------------------------------------------------------------------- transformers

@@ -85,6 +85,26 @@ def build_bench_qwen3_vl(num_layers: int, vision_depth: int) -> str:
     return str(out)
 
 
+def build_bench_qwen3_5(num_layers: int, vision_depth: int) -> str:
+    """Qwen3.5-2B-shaped, depth cut: hidden 2048, MLP 6144, full attention 8 heads / 2 KV heads of
+    256 with a quarter rotated, Gated DeltaNet 16 key / 16 value heads of 128, conv kernel 4, three
+    linear-attention layers to one full-attention layer; tower hidden 1024 / 16 heads, patch 16.
+    (The shape is assumed from the family's published pattern, not read from the 2B's config;
+    the tokenizer is the 151936-entry one above, not Qwen3.5's 248320.)"""
+    from mmkit.testing.qwen3_5 import build_tiny_qwen3_5
+
+    out = ROOT / ".cache" / f"bench-qwen3_5-{num_layers}l-{vision_depth}v"
+    if not (out / "config.json").exists():
+        build_tiny_qwen3_5(out, seed=0, text_layers=num_layers, full_attention_every=4, hidden=2048, num_heads=8,
+                           num_kv_heads=2, head_dim=256, partial_rotary_factor=0.25, linear_key_heads=16,
+                           linear_value_heads=16, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+                           intermediate=6144, vision_depth=vision_depth, vision_dim=1024, vision_heads=16,
+                           vision_intermediate=4096, patch_size=16, num_position_embeddings=2304,
+                           min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 1280, tie_word_embeddings=True,
+                           max_position_embeddings=4096, init_std=0.02, tokenizer=build_full_vocab_qwen_tokenizer())
+    return str(out)
+
+
 def _ids(r: common.Request) -> list[int]:
     return [t if t >= FIRST_TEXT_ID else t + FIRST_TEXT_ID for t in r.text_ids]
 

@@ -4,6 +4,7 @@
         [--num-requests 128] [--repeats 3] [--threads 2] [--num-layers 30] [--json out.json] [--rss]
         [--family qwen2_vl --num-layers 4 --vision-depth 4]   # Qwen2-VL-2B-shaped (qwen_family.py)
         [--family qwen3_vl --num-layers 4 --vision-depth 4]   # Qwen3-VL-2B-shaped (qwen_family.py)
+        [--family qwen3_5 --num-layers 4 --vision-depth 4]    # Qwen3.5-2B-shaped, hybrid (qwen_family.py)
 
 Workloads: `mixed` / `uniform` (224 px images = 196 image tokens, 16-64 text tokens) and
 `decode-heavy` (96 px images = 36 image tokens, 24-40 text tokens, outputs 8-128).
@@ -167,7 +168,7 @@ def main() -> None:
     p.add_argument("--parity-requests", type=int, default=4)
     p.add_argument("--parity-tokens", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="time mmkit only")
-    p.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen3_vl"],
+    p.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen3_vl", "qwen3_5"],
                    help="qwen2_vl / qwen3_vl: the Qwen2-VL-2B- / Qwen3-VL-2B-shaped model of qwen_family.py")
     p.add_argument("--vision-depth", type=int, default=4, help="qwen2_vl: vision blocks (the 2B has 32)")
     p.add_argument("--no-async-preprocess", action="store_true",
@@ -182,17 +183,22 @@ def main() -> None:
         run_alone(args, args.only)
         return
     hf_runner = common.HFRunner
-    if args.family in ("qwen2_vl", "qwen3_vl"):
+    if args.family in ("qwen2_vl", "qwen3_vl", "qwen3_5"):
         import qwen_family
 
         global mmkit_inputs
         mmkit_inputs, hf_runner = qwen_family.mmkit_inputs, qwen_family.QwenHFRunner
         common.set_threads(args.threads)
-        build = qwen_family.build_bench_qwen3_vl if args.family == "qwen3_vl" else qwen_family.build_bench_qwen2_vl
+        build = {"qwen3_vl": qwen_family.build_bench_qwen3_vl, "qwen3_5": qwen_family.build_bench_qwen3_5}.get(
+            args.family, qwen_family.build_bench_qwen2_vl)
         model_dir = args.model or build(args.num_layers, args.vision_depth)
         # A bounded KV cache (the CPU default is up to 4 GiB): both models already hold a
         # 151936-row embedding, and the machine may be shared.
-        size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype, kv_cache_memory=256 << 20)
+        # Qwen3.5: every running sequence holds a ~3 MiB state slot (counted in the same budget),
+        # so the slots are bounded to the requests of the run.
+        extra = {"max_num_seqs": max(args.num_requests, 8)} if args.family == "qwen3_5" else {}
+        size, llm = qwen_family.IMAGE_SIZE, common.build_llm(model_dir, args.dtype, kv_cache_memory=256 << 20,
+                                                             **extra)
     else:
         model_dir, size, llm = common.setup(args, args.model)
     if args.ab_async:
@@ -252,6 +258,11 @@ def main() -> None:
         result["median_paired_ratio"] = statistics.median(result["ratio_per_repeat"])
     result["peak_rss_mb"] = common.peak_rss_mb()
     result["kv_bytes_per_token"] = common.kv_bytes_per_token(model_dir, args.dtype)
+    state_bytes = llm.get_metrics().get("state_bytes_per_request")
+    if state_bytes is not None:  # a hybrid decoder's fixed per-request state, beside its KV
+        result["state_bytes_per_request"] = state_bytes
+        print(f"state per request: {state_bytes / 2**20:.2f} MiB; KV per token: "
+              f"{result['kv_bytes_per_token'] / 2**10:.1f} KiB")
     if args.rss:
         result["rss_alone"] = {s: rss_alone(args, s, best) for s in (["mmkit"] if hf is None else ["mmkit", "hf"])}
     print(f"\n{args.workload} {args.dtype} {args.num_requests} req, {args.num_layers} layers, "

@@ -54,7 +54,7 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         grid = torch.cat([item["grid_thw"] for item in items])
         pixels = torch.cat([item["pixel_values"] for item in items]).to(dtype)
         out = self.visual(pixels, grid_thw=grid)
-        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)  # [sum tokens, (1+L)*H]
+        rows = self._feature_rows(out)  # [sum tokens, (1+L)*H]
         sizes = (grid.prod(-1) // self.spatial_merge_size ** 2).tolist()
         result = []
         for item, part in zip(items, torch.split(rows, sizes)):
@@ -69,6 +69,10 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
             full[vision] = part
             result.append(full)
         return result
+
+    def _feature_rows(self, out: Any) -> torch.Tensor:
+        """The tower's output as item rows: merged features, then the DeepStack sets."""
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:

@@ -73,8 +73,12 @@ def load_weights(model: nn.Module, path: Path, tied: dict[str, str] | None, key_
     loaded: set[str] = set()
     unexpected: list[str] = []
     ignored: list[str] = []
+    # Checkpoint parts transformers skips on load too (Qwen3.5's multi-token-prediction `mtp.*`).
+    skipped_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     for key, name, tensor in iterate_weights(path, key_mapper):
         if quant_loader is not None and quant_loader.claims(key, name, tensor):
+            continue
+        if skipped_prefixes and key.startswith(skipped_prefixes):
             continue
         target = params.get(name)
         if target is None:

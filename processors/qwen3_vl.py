@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.mrope import MRopeItem
 from mmkit.processors.qwen2_vl import Qwen2VLInputProcessor, VisionItem
 from mmkit.processors.replacements import Replacement, check_feature_rows
+
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 
 
 @dataclass
@@ -46,7 +46,8 @@ class Qwen3VLInputProcessor(Qwen2VLInputProcessor):
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt, mm_processor_kwargs=None) -> None:
         super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         self.tokens_per_second = None  # Qwen3-VL has no temporal scale: timestamps are text
-        self.deepstack_layers = len(model_config.hf_config.vision_config.deepstack_visual_indexes)
+        # Qwen3.5's tower has no DeepStack (its config has no deepstack_visual_indexes)
+        self.deepstack_layers = len(getattr(model_config.hf_config.vision_config, "deepstack_visual_indexes", None) or ())
 
     def _item(self, where: str, modality: str, given: Any, rep: Replacement, ids: list[int],
               rng: PlaceholderRange, kwargs: Mapping[str, Any]) -> tuple[Any, PlaceholderRange]:

@@ -26,6 +26,7 @@ from mmkit.engine.block_manager import BlockManager
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.encoder_scheduling import EncoderScheduler
 from mmkit.engine.seq_queue import SeqQueue
+from mmkit.engine.state_cache_manager import StateCacheManager
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.engine.block_hashes import update_block_hashes
 from mmkit.engine.scheduler_output import CachedSeqData, EncoderInput, NewSeqData, SchedulerOutput
@@ -71,12 +72,6 @@ class PreprocessTracker(Protocol):
     def is_ready(self, request_id: str) -> bool:
         """Every image of the request is prepared (or never was the tracker's)."""
 
-    def start_now(self, request_ids: list[str]) -> None:
-        """Start preparing these requests' images at once, past any lookahead."""
-
-    def wait(self, request_id: str) -> None:
-        """Block until the request's started images are prepared (content hashes included)."""
-
     def requeue(self, request_id: str) -> None:
         """A preempted request: prepare its images again if they were freed (it is re-admitted
         only once they are ready, as a new waiting request is)."""
@@ -85,12 +80,17 @@ class PreprocessTracker(Protocol):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager | None = None, encoder_row_bytes: int = 0,
-                 preprocess: PreprocessTracker | None = None) -> None:
+                 preprocess: PreprocessTracker | None = None,
+                 state_cache: StateCacheManager | None = None) -> None:
         self.config = config
+        # A hybrid decoder's per-request state slots (None: KV blocks only): a slot is taken when
+        # the runner first gets a sequence, given back on finish, abort and preemption.
+        self.state_cache = state_cache
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
-                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
+                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                        lora_tower=config.lora_tower)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         # Ordered sets: a finished, aborted or preempted sequence leaves in O(1).
         self._waiting = SeqQueue()
@@ -145,6 +145,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.encoder.release(seq)
+        if self.state_cache is not None:
+            self.state_cache.free(seq.seq_id)
         seq.status = status
         self._known_to_runner.discard(seq.seq_id)
         self._finished_seq_ids.add(seq.seq_id)
@@ -220,7 +222,9 @@ class Scheduler:
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
-            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks)
+            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks,
+            lora_request=getattr(processed, "lora_request", None),
+            state_slot=self.state_cache.allocate(seq.seq_id) if self.state_cache is not None else -1)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Preempt the newest running sequences until `seq` can allocate; False if `seq` left."""
@@ -243,6 +247,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self.encoder.release(seq)
+        if self.state_cache is not None:  # recomputed from token 0: the state is rebuilt
+            self.state_cache.free(seq.seq_id)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         if self.preprocess is not None:  # its items' inputs go back to the workers
@@ -280,27 +286,24 @@ class Scheduler:
         return hits if limit is None else hits[:limit]
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
-        # NOTE: while running requests fill the step, a waiting request whose images are
-        # still being prepared waits (the forward pass never waits for PIL). With nothing
-        # running the step waits anyway: the requests it will likely admit get all their
-        # images started at once, so they are prepared side by side, and the step waits for
-        # every one of them (the engine thread waits for the workers' content hashes). So a
+        # NOTE: a waiting request whose images are still being prepared waits (the forward
+        # pass never waits for PIL), and the scheduler never blocks on the input stage. With
+        # nothing running, the engine (which owns the stage) has already waited for the
+        # requests this step will likely admit (`likely_admitted`, before `schedule`), so a
         # batch given to an idle engine is admitted as the synchronous path admits it,
         # whatever the workers' speed: one prefill for all, and the same preemptions on any
         # host. Arrival order is kept.
-        idle = token_budget == self.config.max_num_batched_tokens
-        started: set[str] = set()
-        if idle and self.preprocess is not None:
-            likely = self._likely_admitted(token_budget)
-            self.preprocess.start_now(likely)
-            started = set(likely)
+        # LoRA: a step holds at most max_loras adapters (the model's slots); a request whose
+        # adapter would be one more waits (FCFS: those behind it wait too).
+        loras = {s.group.processed.lora_request.lora_int_id for s in self.running
+                 if getattr(s.group.processed, "lora_request", None) is not None} if self.config.max_loras else set()
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora = getattr(seq.group.processed, "lora_request", None)
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                break
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
-                if seq.group.request_id not in started:
-                    break
-                # The workers are on it: the engine thread would only compete for the cores.
-                self.preprocess.wait(seq.group.request_id)
+                break
             hits = self._cached_prefix(seq)
             start = len(hits) * self.block_manager.block_size
             num_new = seq.num_tokens_whole_spans(start, min(seq.num_tokens - start, token_budget))
@@ -311,17 +314,24 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching:
-                self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
+                seq.num_computed_tokens = self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
         return token_budget
 
-    def _likely_admitted(self, token_budget: int) -> list[str]:
-        """The waiting requests an idle step would admit, by prompt length (cache hits aside)."""
-        ids, room = [], self.config.max_num_seqs - len(self.running)
+    def likely_admitted(self) -> list[str]:
+        """With nothing running: the waiting requests the next step would likely admit, by
+        prompt length (cache hits aside), so the engine can have their images prepared side
+        by side before it schedules. Running requests: none (they fill the step first)."""
+        if self.running:
+            return []
+        token_budget = self.config.max_num_batched_tokens
+        ids, room = [], self.config.max_num_seqs
         for seq in self.waiting:
             if token_budget <= 0 or len(ids) >= room:
                 break
@@ -373,6 +383,19 @@ class Scheduler:
         self._finished_seq_ids |= sched.finished_seq_ids
         for s in plan.scheduled:
             self._known_to_runner.discard(s.seq.seq_id)
+        if self.state_cache is not None:
+            # NOTE: the failed forward may have advanced some layers' state in place: a hybrid
+            # sequence of the step is recomputed from token 0 (KV blocks alone could resume).
+            for s in reversed(plan.scheduled):
+                if s.seq.status is SequenceStatus.RUNNING and s.seq not in plan.admitted:
+                    self.running.remove(s.seq)
+                    self.block_manager.free(s.seq)
+                    self.encoder.release(s.seq)
+                    self.state_cache.free(s.seq.seq_id)
+                    s.seq.reset_for_recompute()
+                    self.waiting.appendleft(s.seq)
+                    if self.preprocess is not None:
+                        self.preprocess.requeue(s.seq.group.request_id)
         # NOTE: a sequence admitted in this step may hold prefix-cache hits on blocks that
         # the step was to compute: undo its admission (it is recomputed from scratch).
         for seq in reversed(plan.admitted):
@@ -380,6 +403,8 @@ class Scheduler:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
                 self.encoder.release(seq)
+                if self.state_cache is not None:
+                    self.state_cache.free(seq.seq_id)
                 seq.reset_for_recompute()
                 self.waiting.appendleft(seq)
 

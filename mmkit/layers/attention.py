@@ -24,16 +24,17 @@ Attention variants, per layer (a family only declares them; see `mmkit/layers/sl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels
 
 # `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
-_PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
+_PAGED_PREFILL = envs.MMKIT_PAGED_PREFILL
 # Chunks with longer contexts keep SDPA: the kernel's per-thread scratch (the tile's context
 # in float32, three copies) grows with the context. Up to here it was measured ahead of SDPA:
 # 0.26-0.48x its time from 64 to 8192 keys, 2 threads, bf16 and float32
@@ -148,6 +149,8 @@ class AttentionMetadata:
     # Every row of the step (decodes, then each prefill token) as one row of the paged kernel,
     # built at a global layer's first use in a step: [view] or [None] when it cannot serve.
     _rows_view: list = field(default_factory=list, repr=False)
+    # A hybrid decoder's state rows of the step (mmkit/worker/state_cache.py `StateBatch`), else None.
+    state_batch: Any = None
 
     def window_view(self, sliding_window: int) -> DecodeView:
         """Decode view of a sliding layer: only the blocks overlapping each window."""

@@ -42,6 +42,9 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "InternVLForConditionalGeneration": ("internvl", "build_tiny_internvl", {}),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": False}),
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "build_tiny_qwen3_5", {"moe": False}),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "build_tiny_qwen3_5", {"moe": True}),
+    "Lfm2VlForConditionalGeneration": ("lfm2_vl", "build_tiny_lfm2_vl", {}),
 }
 
 

@@ -237,7 +237,7 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sizes or capture_sizes(config.scheduler.max_num_seqs)
         bs = runner.block_size
-        cache_blocks = runner.kv_caches[0][0].shape[1]
+        cache_blocks = runner.num_cache_blocks
         if cache_blocks != runner.num_blocks + 1:
             raise ValueError(f"decode graphs: the KV cache holds {cache_blocks} blocks; expected num_blocks + 1 "
                              f"= {runner.num_blocks + 1} (the null block)")
@@ -258,7 +258,8 @@ class DecodeGraphs:
         if runner.uses_mrope or runner.embed_width_factor != 1:
             return None
 
-        runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_blocks + 1, runner.block_size)
+        runner.num_cache_blocks = runner.num_blocks + 1
+        runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_cache_blocks, runner.block_size)
         runner.decode_graphs = cls(runner, sizes)
         runner.decode_graphs.capture()
         return runner.decode_graphs

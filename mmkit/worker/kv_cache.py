@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from mmkit import envs
 from mmkit.config import CacheConfig, ModelConfig
 from mmkit.layers.attention import kv_cache_shape
 
 _CPU_DEFAULT_LIMIT = 4 << 30  # bytes
 
 
+def kv_layer_ids(model: ModelConfig) -> list[int]:
+    """Decoder layers with a KV cache: all but a hybrid decoder's state layers."""
+    spec = getattr(model, "state_spec", None)  # (a stand-in config may lack the field)
+    state_layers = set(spec.layer_ids) if spec is not None else set()
+    return [i for i in range(model.num_layers) if i not in state_layers]
+
+
+def state_bytes(model: ModelConfig, max_num_seqs: int) -> int:
+    """Bytes of a hybrid decoder's per-request state slots (one per sequence that can run)."""
+    spec = getattr(model, "state_spec", None)
+    return 0 if spec is None else max_num_seqs * spec.bytes_per_slot(model.dtype)
+
+
 def bytes_per_block(model: ModelConfig, block_size: int) -> int:
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    return 2 * len(kv_layer_ids(model)) * block_size * model.num_kv_heads * model.head_dim * elem
 
 
 def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> int:
@@ -23,15 +36,22 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) ->
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = bytes_per_block(model, cache.block_size)
+    # A hybrid decoder's state slots come out of the same memory budget as the KV blocks.
     if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
+        budget = cache.kv_cache_memory - state_bytes(model, max_num_seqs)
     elif model.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(model.device)
-        budget = int(free * cache.gpu_memory_utilization)
+        budget = int(free * cache.gpu_memory_utilization) - state_bytes(model, max_num_seqs)
     else:
         blocks_per_seq = -(-model.max_model_len // cache.block_size)
         budget = min(max_num_seqs * blocks_per_seq * per_block, _CPU_DEFAULT_LIMIT)
     num_blocks = budget // per_block
+    if num_blocks < 1 and state_bytes(model, max_num_seqs):
+        raise ValueError(
+            f"kv_cache_memory: after the hybrid decoder's {max_num_seqs} per-request state slots "
+            f"(max_num_seqs x {state_bytes(model, 1)} bytes) no KV block of {per_block} bytes is left; "
+            f"give more memory or lower max_num_seqs"
+        )
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory: {budget} bytes hold no KV block of {per_block} bytes "
@@ -47,10 +67,12 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
     # (never NaN) value times a zero weight keeps the output finite.
     shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
     zeros = _lazy_zeros if model.device.type == "cpu" else torch.zeros
+    kv_layers = set(kv_layer_ids(model))
+    none = torch.empty(0, dtype=model.dtype, device=model.device)  # a hybrid's state layer: no KV
     caches = [
         (zeros(shape, dtype=model.dtype, device=model.device),
-         zeros(shape, dtype=model.dtype, device=model.device))
-        for _ in range(model.num_layers)
+         zeros(shape, dtype=model.dtype, device=model.device)) if i in kv_layers else (none, none)
+        for i in range(model.num_layers)
     ]
     if preallocate and model.device.type == "cpu":
         # Writing the zeros commits every page now, on torch's threads. Committing a fresh page
@@ -89,7 +111,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     numel = 1
     for n in shape:
         numel *= n
-    with _numpy_hugepages(os.environ.get("MMKIT_KV_HUGEPAGES", "0") == "1"):
+    with _numpy_hugepages(envs.MMKIT_KV_HUGEPAGES):
         storage = np.zeros(numel, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[elem])
     return torch.from_numpy(storage).view(dtype).view(shape)
 

@@ -151,7 +151,7 @@ def dummy_image_inputs(runner, count: int) -> list[dict]:
 
     side = int(getattr(getattr(runner.config.model.hf_config, "vision_config", None), "image_size", 0) or 336)
     image = Image.new("RGB", (side, side), (128, 128, 128))
-    processor = runner.input_stage.input_processor
+    processor = runner.input_processor
     inputs = processor.mm_item_inputs(ImageItem(source=image, width=side, height=side, where="memory profile"))
     return [{k: v.to(runner.device) for k, v in inputs.items()} for _ in range(count)]
 

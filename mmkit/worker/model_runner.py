@@ -9,6 +9,7 @@ the decoder forward on the paged cache, the LM head on the last positions and th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -19,7 +20,6 @@ from mmkit.layers.attention_backend import attach_backend, select_attention_back
 from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
-from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
 from mmkit.worker.block_table import BlockTables
@@ -29,6 +29,8 @@ from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
 from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
+from mmkit.lora.runner_steps import begin_step, encode_per_adapter, lora_id, rows_of
+from mmkit.worker.state_cache import StateBatch, StateCache
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,15 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, input_stage: MultiModalInputStage) -> None:
+    def __init__(self, config: EngineConfig, input_processor: Any = None) -> None:
         self.config = config
         mc = config.model
         self.device = mc.device
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
-        self.input_stage = input_stage  # where an item's model inputs come from
+        # The family's processor, for the CUDA memory profile's dummy images only: a step's
+        # item inputs arrive in its scheduler output (`EncoderInput.mm_kwargs`).
+        self.input_processor = input_processor
         self.model = load_model(mc)
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
@@ -61,14 +65,27 @@ class ModelRunner:
         self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
                            else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
         graphs = uses_decode_graphs(config, self.attention_backend, self)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + int(graphs), self.block_size,  # + the null block
+        # Blocks in the cache tensors: the null block too when decode graphs pad with it.
+        self.num_cache_blocks = self.num_blocks + int(graphs)
+        self.kv_caches = allocate_kv_caches(mc, self.num_cache_blocks, self.block_size,
                                             preallocate=config.cache.kv_cache_preallocate)
+        # A hybrid decoder's per-request state: one slot per sequence that can run.
+        self.state_cache = (StateCache(mc.state_spec, config.scheduler.max_num_seqs, self.dtype, self.device)
+                            if mc.state_spec is not None else None)
         self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        self.lora_manager = None  # mmkit/lora/: adapter slots and the step's row -> slot mapping
+        if config.lora is not None:
+            from mmkit.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, config.lora, self.dtype, self.device)
         self._init_batch_state()
-        self.decode_graphs = DecodeGraphs(self) if graphs else None  # CUDA graphs for decode steps
+        # CUDA graphs for decode steps; with LoRA or a hybrid decoder's state every step runs
+        # eagerly (a captured graph holds no per-row adapter deltas nor state-slot gathers).
+        self.decode_graphs = (DecodeGraphs(self) if graphs and self.lora_manager is None
+                             and self.state_cache is None else None)
         if self.decode_graphs is not None:
             self.decode_graphs.capture()
 
@@ -89,10 +106,16 @@ class ModelRunner:
         for seq_id, num_new in sched.num_scheduled_tokens.items():
             state = self.states[seq_id]
             chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
-        order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
+        if self.lora_manager is None:
+            order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
+        else:  # rows of one adapter next to each other (one delta matmul per adapter and layer)
+            order = sorted(chunks, key=lambda c: (c.num_new_tokens > 1, lora_id(c.state)))
+            begin_step(self.lora_manager, [c.state for c in order], [c.num_new_tokens for c in order])
         hidden = self.decode_graphs.try_run(order) if self.decode_graphs is not None else None
         if hidden is None:  # eager: every step on CPU, and prefill (or too large) steps on CUDA
             input_ids, positions, slots, meta = self._prepare(order)
+            if self.state_cache is not None:
+                meta.state_batch = self._state_batch(order)
             if self.uses_mrope:
                 positions = self._mrope_positions(order)
             embeds = self.model.embed_tokens(input_ids)
@@ -110,7 +133,8 @@ class ModelRunner:
                 first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
                 if first < c.end:
                     lo = row + first - c.start
-                    prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
+                    with rows_of(self.lora_manager, [state] * (row + c.num_new_tokens - lo)):
+                        prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
             row += c.num_new_tokens
             state.num_computed_tokens = c.end
             if not c.samples:
@@ -123,7 +147,8 @@ class ModelRunner:
             row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        with rows_of(self.lora_manager, row_states):
+            logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         # NOTE: hooks act only on sequences that hold sampler state (e.g. a grammar matcher);
         # a step without any keeps the model-dtype logits and skips the [rows, vocab] copy,
         # even after a hook was registered by an earlier constrained request.
@@ -158,8 +183,11 @@ class ModelRunner:
                 block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
-                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks))
+                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks),
+                lora_request=d.lora_request, state_slot=d.state_slot)
             tables.set_table(d.seq_id, d.block_ids)
+            if self.state_cache is not None:
+                self._start_state(d)
             if old is not None:  # a rebuild: per-sequence sampler objects carry over
                 state.sampler_state = old.sampler_state
             else:
@@ -175,6 +203,26 @@ class ModelRunner:
             state.block_table.extend(c.new_block_ids)
             tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
+
+    def _start_state(self, d) -> None:
+        # NOTE: a state holds every token before num_computed_tokens, so a hybrid sequence
+        # reaches the runner only from token 0 (no prefix-cache hit, no fork, a preempted or
+        # failed one recomputed): its slot starts from zeros.
+        if d.state_slot < 0 or d.num_computed_tokens != 0:
+            raise RuntimeError(f"request {d.request_id!r}: a hybrid decoder's sequence must start from token 0 with "
+                               f"a state slot (got slot {d.state_slot}, {d.num_computed_tokens} tokens computed)")
+        self.state_cache.reset(d.state_slot)
+
+    def _state_batch(self, order: list[Chunk]) -> StateBatch:
+        """The step's rows by state slot: one-token rows first (the order `_prepare` laid out)."""
+        decode_slots, prefills, row = [], [], 0
+        for c in order:
+            if c.num_new_tokens == 1:
+                decode_slots.append(c.state.state_slot)
+            else:
+                prefills.append((row, c.num_new_tokens, c.state.state_slot))
+            row += c.num_new_tokens
+        return StateBatch(self.state_cache, len(decode_slots), _to_device(decode_slots, self.device), tuple(prefills))
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -212,7 +260,9 @@ class ModelRunner:
             state = c.state
             table = state.block_table
             start, end = c.start, c.end
-            if end - start == 1:
+            # NOTE: one token inside a bidirectional span (a prefix-cache hit up to the prompt's
+            # last token) is a prefill chunk: its query must see the whole span.
+            if end - start == 1 and not any(lo <= start < lo + n for lo, n in state.bidirectional_ranges):
                 ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -232,7 +282,7 @@ class ModelRunner:
             # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
             block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
-        attach_backend(meta, self.attention_backend, self.kv_caches[0][0].shape[1])  # the null block too
+        attach_backend(meta, self.attention_backend, self.num_cache_blocks)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items
@@ -252,13 +302,14 @@ class ModelRunner:
             if e.embeds is not None:  # given by the user: no vision tower
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
-            try:
-                inputs = self.input_stage.mm_item_inputs(e.request_id, e.item)
-            except Exception as exc:  # noqa: BLE001 - attributed to the one request
-                raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            inputs = e.mm_kwargs  # attached by the engine (vLLM's mm_features)
             to_encode.append(e)
             item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
-        if item_inputs:
+        if item_inputs and self.lora_manager is not None and self.config.scheduler.lora_tower:
+            embeds = encode_per_adapter(self.lora_manager, self.model, to_encode, item_inputs)
+            self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)
+            fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
+        elif item_inputs:
             embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
             self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)  # given rows: no tower
             fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))

@@ -33,6 +33,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model-impl", default="auto", choices=["auto", "mmkit", "transformers"],
+                   help="which implementation runs the model: auto (native when mmkit has it, else the transformers backend), mmkit, or transformers (transformers' own modules on mmkit's engine)")
     _gpu_flags(g)
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default)")
@@ -118,7 +120,7 @@ def _make_llm(args):
     from mmkit import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              model_impl=args.model_impl, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
     print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -143,7 +145,7 @@ def question_inputs(llm, image, question: str) -> dict:
     """A user turn with the image then the question, rendered with the model's chat template."""
     from mmkit.entrypoints.chat_utils import conversations_to_inputs
 
-    processor = llm.llm_engine.input_processor.hf_processor or llm.get_tokenizer()
+    processor = llm.llm_engine.chat_processor()
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
     return conversations_to_inputs(processor, messages)[0]
 
@@ -315,8 +317,8 @@ def cmd_eval_ray(args, params) -> int:
         summary = run_ray_evaluation(
             data, results, model=args.model, sampling_params=params,
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
-                         "quantization": args.quantization, "enforce_eager": args.enforce_eager,
-                         "attention_backend": args.attention_backend},
+                         "quantization": args.quantization, "model_impl": args.model_impl,
+                         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
             max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)
