@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -203,7 +204,9 @@ def decoder_weight_bytes(runner) -> int:
     return total
 
 
-def run_mmkit(path: Path, inputs: list, max_tokens: int, args, device: torch.device) -> dict:
+def run_mmkit(path: Path, inputs: list, max_tokens: int, args, device: torch.device, result: dict,
+              save) -> dict:
+    """Fills `result` phase by phase, calling `save()` after each."""
     from mmkit import LLM, SamplingParams
     from mmkit.worker.kv_cache import bytes_per_block
 
@@ -220,8 +223,8 @@ def run_mmkit(path: Path, inputs: list, max_tokens: int, args, device: torch.dev
         from mmkit.worker.cuda_graphs import DecodeGraphs
 
         DecodeGraphs.enable(runner)
-    result = {"load_s": time.perf_counter() - start, "attention_backend": runner.attention_backend,
-              "cuda_graphs": runner.decode_graphs is not None, "num_kv_blocks": runner.num_blocks}
+    result.update({"load_s": time.perf_counter() - start, "attention_backend": runner.attention_backend,
+                   "cuda_graphs": runner.decode_graphs is not None, "num_kv_blocks": runner.num_blocks})
     if runner.memory_profile is not None:
         result["memory_profile"] = runner.memory_profile.describe()
     log(f"mmkit loaded in {result['load_s']:.1f} s: backend {runner.attention_backend}, "
@@ -237,6 +240,7 @@ def run_mmkit(path: Path, inputs: list, max_tokens: int, args, device: torch.dev
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result["decode_heavy"] = {"requests": len(inputs), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
     log(f"mmkit decode-heavy: {tokens / seconds:.1f} tok/s ({len(inputs)} requests, {seconds:.2f} s)")
+    save()
     start = time.perf_counter()
     one = llm.generate(inputs[:1], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -244,6 +248,7 @@ def run_mmkit(path: Path, inputs: list, max_tokens: int, args, device: torch.dev
                         "tok_s": len(one[0].outputs[0].token_ids) / seconds}
     log(f"mmkit batch 1: {result['batch1']['tok_s']:.1f} tok/s")
     result["decode_step"] = decode_bandwidth(timer.steps, runner, args, device)
+    save()
     result["kernel_profile"] = kernel_profile(llm, inputs, args, device)
     per_token = bytes_per_block(runner.config.model, runner.block_size) // runner.block_size
     result["kv_bytes_per_token"] = per_token
@@ -308,10 +313,11 @@ def summarize(out: Path) -> dict:
         data = json.loads(f.read_text())
         shape = data["shape"]
         hf, mm = data.get("transformers", {}), data.get("mmkit", {})
-        ratio = mm["decode_heavy"]["tok_s"] / hf["best_tok_s"] if hf.get("best_tok_s") else None
-        run = {"device": data["device"], "decode_heavy_tok_s": mm["decode_heavy"]["tok_s"],
+        heavy = mm.get("decode_heavy", {}).get("tok_s")
+        ratio = heavy / hf["best_tok_s"] if heavy and hf.get("best_tok_s") else None
+        run = {"device": data["device"], "complete": data.get("complete", False), "decode_heavy_tok_s": heavy,
                "hf_best_tok_s": hf.get("best_tok_s"), "hf_best_batch": hf.get("best_batch"),
-               "decode_heavy_vs_hf_best": ratio, "batch1_tok_s": mm["batch1"]["tok_s"],
+               "decode_heavy_vs_hf_best": ratio, "batch1_tok_s": mm.get("batch1", {}).get("tok_s"),
                "hf_batch1_tok_s": hf.get("batch1_tok_s"),
                "decode_step_fraction_of_roofline": mm.get("decode_step", {}).get("fraction_of_roofline")}
         summary["runs"][shape] = run
@@ -356,33 +362,45 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ckpt_{args.shape}"
-    log(f"building {args.shape} ({args.dtype}) on {device} into {path}")
-    start = time.perf_counter()
-    model = build_checkpoint(args.shape, path, device, dtype)
-    log(f"built and saved in {time.perf_counter() - start:.1f} s")
-    inputs = make_inputs(args.shape, args.num_requests, args.prompt_words)
-    batches = [int(b) for b in args.hf_batch_sizes.split(",")]
-    hf = hf_best_static_batch(model, path, inputs, batches, args.max_tokens, device)
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    mm = run_mmkit(path, inputs, args.max_tokens, args, device)
-    env = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-           else "cpu"}
     import transformers
 
-    env["transformers"] = transformers.__version__
-    result = {"shape": args.shape, "device": env["device_name"], "env": env, "dtype": args.dtype,
-              "num_requests": args.num_requests, "max_tokens": args.max_tokens, "transformers": hf, "mmkit": mm}
-    if hf.get("best_tok_s"):
-        result["decode_heavy_vs_hf_best"] = mm["decode_heavy"]["tok_s"] / hf["best_tok_s"]
-        log(f"decode-heavy: {result['decode_heavy_vs_hf_best']:.2f}x transformers' best static batch "
-            f"({hf['best_batch']})")
-    (out / f"e2e_{args.shape}.json").write_text(json.dumps(result, indent=2, default=str))
-    import shutil
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {"shape": args.shape, "device": name, "dtype": args.dtype, "num_requests": args.num_requests,
+              "max_tokens": args.max_tokens, "complete": False,
+              "env": {"torch": torch.__version__, "transformers": transformers.__version__, "device_name": name},
+              "transformers": {}, "mmkit": {}}
 
-    shutil.rmtree(path, ignore_errors=True)  # the checkpoint: gigabytes, rebuilt in seconds
+    def save() -> None:  # after every phase: a step killed by its time limit keeps what it measured
+        (out / f"e2e_{args.shape}.json").write_text(json.dumps(result, indent=2, default=str))
+
+    # `timeout` sends SIGTERM: exit through `finally` (the partial JSON, the checkpoint removed).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        log(f"building {args.shape} ({args.dtype}) on {device} into {path}")
+        start = time.perf_counter()
+        model = build_checkpoint(args.shape, path, device, dtype)
+        result["build_s"] = time.perf_counter() - start
+        log(f"built and saved in {result['build_s']:.1f} s")
+        inputs = make_inputs(args.shape, args.num_requests, args.prompt_words)
+        batches = [int(b) for b in args.hf_batch_sizes.split(",")]
+        result["transformers"] = hf = hf_best_static_batch(model, path, inputs, batches, args.max_tokens, device)
+        save()
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        run_mmkit(path, inputs, args.max_tokens, args, device, result["mmkit"], save)
+        mm = result["mmkit"]
+        if hf.get("best_tok_s"):
+            result["decode_heavy_vs_hf_best"] = mm["decode_heavy"]["tok_s"] / hf["best_tok_s"]
+            log(f"decode-heavy: {result['decode_heavy_vs_hf_best']:.2f}x transformers' best static batch "
+                f"({hf['best_batch']})")
+        result["complete"] = True
+    finally:
+        save()
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)  # the checkpoint: gigabytes, rebuilt in seconds
     return 0
 
 

@@ -162,12 +162,21 @@ def profiled_num_blocks(runner) -> int:
 
     run, scratch = profiling_step(runner)
     profile = profile_memory(run, CudaMemory(runner.device), runner.config.cache.gpu_memory_utilization, scratch)
-    per_block = bytes_per_block(runner.config.model, runner.block_size)
-    num_blocks = profile.num_blocks(per_block)
+    config = runner.config
+    per_block = bytes_per_block(config.model, runner.block_size)
+    num_blocks = min(profile.num_blocks(per_block), max_useful_blocks(config))
     logger.info("mmkit memory profile: %s -> %d KV blocks of %d tokens", profile.describe(), num_blocks,
-                   runner.block_size)
+                runner.block_size)
     runner.memory_profile = profile
     return num_blocks
+
+
+def max_useful_blocks(config) -> int:
+    """Blocks for `max_num_seqs` sequences of `max_model_len` tokens: more can never be used at
+    once. NOTE: it caps a tiny model's cache on a large GPU (millions of blocks otherwise, and
+    per-step metadata as wide as the cache); a 7B model's profiled size stays far below it."""
+    blocks_per_seq = -(-config.model.max_model_len // config.cache.block_size)
+    return config.scheduler.max_num_seqs * blocks_per_seq
 
 
 def needs_profile(config) -> bool:

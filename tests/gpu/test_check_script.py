@@ -27,21 +27,24 @@ def _steps(out: Path) -> dict:
 
 
 def test_dry_run_one_shape(tmp_path):
-    res = run_check(tmp_path, "--skip-tests", "--only-shape", "tiny-llava")
+    """The cheapest complete dry run: the tiny Qwen2-VL shape (M-RoPE: eager, the CPU kernels);
+    the flex backend and the graph buffers run in the slow whole dry run and in their own tests."""
+    res = run_check(tmp_path, "--skip-tests", "--only-shape", "tiny-qwen2-vl")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = _steps(tmp_path)
-    assert list(steps) == ["env", "install", "import", "e2e_llava", "summary"]
+    assert list(steps) == ["env", "install", "import", "e2e_qwen", "summary"]
     assert all(s["rc"] == 0 and s["dry_run"] == 1 for s in steps.values())
     assert "Would install mmkit" in (tmp_path / "install.log").read_text()
     assert json.loads((tmp_path / "env.json").read_text())["cuda_available"] is False
-    run = json.loads((tmp_path / "e2e_tiny-llava.json").read_text())
+    run = json.loads((tmp_path / "e2e_tiny-qwen2-vl.json").read_text())
+    assert run["complete"] is True
     mm = run["mmkit"]
-    assert mm["attention_backend"] == "flex" and mm["cuda_graphs"] is True
+    assert mm["attention_backend"] == "torch" and mm["cuda_graphs"] is False
     assert mm["decode_heavy"]["tokens"] == 3 * 4 and mm["decode_step"]["steps"] > 0
     assert run["transformers"]["best_batch"] in (1, 3)
-    assert (tmp_path / "kernels_tiny-llava.txt").read_text().strip()
+    assert (tmp_path / "kernels_tiny-qwen2-vl.txt").read_text().strip()
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["runs"]["tiny-llava"]["decode_heavy_vs_hf_best"] > 0
+    assert summary["runs"]["tiny-qwen2-vl"]["decode_heavy_vs_hf_best"] > 0
     assert not list(tmp_path.glob("ckpt_*"))  # the checkpoint is removed
 
 
@@ -60,4 +63,6 @@ def test_whole_dry_run(tmp_path):
     listed = (tmp_path / "cuda_tests.log").read_text()
     assert "tests/gpu/test_flex_attention.py::test_flex_compiled_on_cuda_matches_reference" in listed
     assert "tests/gpu/test_cuda_graphs.py::test_graph_replay_equals_eager_on_cuda" in listed
-    assert json.loads((tmp_path / "e2e_tiny-qwen2-vl.json").read_text())["mmkit"]["cuda_graphs"] is False
+    llava = json.loads((tmp_path / "e2e_tiny-llava.json").read_text())["mmkit"]
+    assert llava["attention_backend"] == "flex" and llava["cuda_graphs"] is True
+    assert llava["decode_heavy"]["tokens"] == 3 * 4

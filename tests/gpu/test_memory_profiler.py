@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from mmkit.worker.memory_profiler import (GiB, MemoryProfile, MemorySnapshot, needs_profile, profile_memory,
-                                          profiling_step)
+from mmkit.worker.memory_profiler import (GiB, MemoryProfile, MemorySnapshot, max_useful_blocks, needs_profile,
+                                          profile_memory, profiling_step)
 
 
 class FakeMemory:
@@ -65,6 +65,14 @@ def test_needs_profile_only_on_cuda_without_a_given_size(tiny_ckpt):
     assert not needs_profile(config)
 
 
+def test_a_tiny_models_cache_is_capped_at_what_max_num_seqs_can_use(tiny_ckpt):
+    from mmkit import EngineArgs
+
+    config = EngineArgs(model=str(tiny_ckpt), device="cpu", max_num_seqs=8, max_model_len=100,
+                        block_size=16).create_engine_config()
+    assert max_useful_blocks(config) == 8 * 7
+
+
 def test_profiling_step_runs_the_worst_step_on_cpu(gqa_tied_ckpt):
     """The step the profile measures runs (chunk of max_num_batched_tokens, images through the
     processor and the vision tower) and reports its scratch KV bytes."""
@@ -97,6 +105,7 @@ def test_cuda_engine_logs_its_profile(gqa_tied_ckpt, caplog):
     runner = llm.llm_engine.model_runner
     profile = runner.memory_profile
     assert profile is not None and profile.activation_peak_bytes > 0 and profile.weights_bytes > 0
-    assert runner.num_blocks == profile.num_blocks(bytes_per_block(runner.config.model, runner.block_size))
+    assert runner.num_blocks == min(profile.num_blocks(bytes_per_block(runner.config.model, runner.block_size)),
+                                    max_useful_blocks(runner.config))
     assert "mmkit memory profile: total" in caplog.text
     torch.cuda.empty_cache()
