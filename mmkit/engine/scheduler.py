@@ -293,7 +293,8 @@ class Scheduler:
         idle = token_budget == self.config.max_num_batched_tokens
         started: set[str] = set()
         # LoRA: a step holds at most max_loras adapters (the model's slots); a request whose
-        # adapter would be one more waits (FCFS: those behind it wait too).
+        # adapter would be one more waits, keeping its place, and those behind it may go (vLLM's rule).
+        skipped: list[Sequence] = []
         loras = {s.group.processed.lora_request.lora_int_id for s in self.running
                  if getattr(s.group.processed, "lora_request", None) is not None} if self.config.max_loras else set()
         if idle and self.preprocess is not None:
@@ -304,7 +305,8 @@ class Scheduler:
             seq = self.waiting[0]
             lora = getattr(seq.group.processed, "lora_request", None)
             if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
-                break
+                skipped.append(self.waiting.popleft())
+                continue
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
                 if seq.group.request_id not in started:
                     break
@@ -328,6 +330,8 @@ class Scheduler:
                 loras.add(lora.lora_int_id)
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
+        for seq in reversed(skipped):
+            self.waiting.appendleft(seq)
         return token_budget
 
     def _likely_admitted(self, token_budget: int) -> list[str]:

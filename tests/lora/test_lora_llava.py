@@ -75,10 +75,19 @@ def test_mixed_batch_then_base_unchanged(llm, tiny_ckpt, adapters):
 def test_third_adapter_evicts_and_reloads(tiny_ckpt, adapters):
     llm = LLM(str(tiny_ckpt), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     manager = llm.llm_engine.model_runner.lora_manager
-    names = ["A", "B", "C", "A"]
-    outs = llm.generate([TEXT] * 4, greedy(), lora_request=[req(adapters, n) for n in names], use_tqdm=False)
-    for n, out in zip(names, outs):
-        assert ids(out) == peft_greedy(tiny_ckpt, adapters[n], TEXT, max_new_tokens=N), n
+    names = ["A", "B", "C", "A", None]
+    engine = llm.llm_engine
+    for i, n in enumerate(names):
+        engine.add_request(f"evict-{i}", TEXT, greedy(), lora_request=req(adapters, n) if n else None)
+    engine.step()  # the first step admits A, B, A and the base request; C waits for a slot
+    assert [s.group.request_id for s in engine.scheduler.running] == ["evict-0", "evict-1", "evict-3", "evict-4"]
+    assert [s.group.request_id for s in engine.scheduler.waiting] == ["evict-2"]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, n in enumerate(names):
+        want = peft_greedy(tiny_ckpt, adapters[n] if n else None, TEXT, max_new_tokens=N)
+        assert ids(finals[f"evict-{i}"]) == want, n
     assert len(manager.slots) == 2 and manager.num_slot_loads >= 3  # C took a slot from A or B
     loads = manager.num_loads
     again = llm.generate(TEXT, greedy(), lora_request=req(adapters, "C"), use_tqdm=False)
