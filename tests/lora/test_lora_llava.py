@@ -179,3 +179,22 @@ def test_decode_stack_keeps_lora_steps(llm, tiny_ckpt, adapters, monkeypatch):
     assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], TEXT, max_new_tokens=N)
     monkeypatch.delenv("MMKIT_DECODE_STACK")
     linear_panels.bump_generation()
+
+
+def test_prompt_logprobs_under_an_lm_head_adapter(llm, tiny_ckpt, adapters):
+    import torch
+
+    from lora_ref import peft_model
+
+    model, processor = peft_model(str(tiny_ckpt), str(adapters["A"]))
+    inputs = processor(text=[TEXT], return_tensors="pt")
+    with torch.no_grad():
+        ref_lp = model(**inputs).logits[0].log_softmax(-1)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    outs = llm.generate([TEXT, TEXT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                        lora_request=[req(adapters, "A"), None], use_tqdm=False)
+    got = [d[prompt_ids[i]].logprob for i, d in enumerate(outs[0].prompt_logprobs) if i > 0]
+    want = [ref_lp[i - 1, prompt_ids[i]].item() for i in range(1, len(prompt_ids))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    base = [d[prompt_ids[i]].logprob for i, d in enumerate(outs[1].prompt_logprobs) if i > 0]
+    assert max(abs(a - b) for a, b in zip(base, want)) > 1e-2  # the base row is not the adapter's
