@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mmkit.lora.layers import LoRAContext, LoRAEmbedding, LoRALinear
-from mmkit.lora.peft_format import PeftAdapter, is_tower_module, load_peft_adapter
+from mmkit.lora.peft_format import DECODER_PREFIXES, PeftAdapter, is_tower_module, load_peft_adapter
 from mmkit.lora.request import LoRAConfig, LoRARequest
 
 # Fused decoder projections: mmkit's module name -> the checkpoint names it holds, in order.
@@ -72,7 +72,7 @@ class LoRAManager:
                 if _is_linear(module):
                     self.tower_names.add(name)
                 continue
-            if not (tower or name.startswith("language_model.") or name == "lm_head"):
+            if not (tower or name.startswith(DECODER_PREFIXES) or name == "lm_head"):
                 continue
             if isinstance(module, nn.Embedding) and name.endswith("embed_tokens") and not tower:
                 found.append((name, module, None))
