@@ -64,6 +64,7 @@ class LoRAManager:
         # float32 slots on CPU (the C decode stack reads them so; tiny next to the weights)
         dtype = torch.float32 if device.type == "cpu" else dtype
         found = []
+        self.module_types = {name: type(module).__name__ for name, module in model.named_modules()}
         for name, module in model.named_modules():
             if not name:
                 continue
@@ -134,6 +135,9 @@ class LoRAManager:
                 if name in self.tower_names:
                     raise ValueError(f"{where}: module {name!r} is on the vision tower/projector; pass "
                                      "enable_tower_connector_lora=True to serve adapters there")
+                if name in self.module_types:
+                    raise ValueError(f"{where}: module {name!r} is a {self.module_types[name]}; mmkit serves LoRA on "
+                                     "linear layers and token embeddings only")
                 raise ValueError(f"{where}: target module {name!r} is not a module of this model")
             module, index = self.targets[name]
             if isinstance(module, LoRAEmbedding) != weights.is_embedding:
