@@ -166,17 +166,21 @@ def test_decode_stack_keeps_lora_steps(llm, tiny_ckpt, adapters, monkeypatch):
 
     monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
     lora = [req(adapters, "A"), None, req(adapters, "B")]
-    fast = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    # a prompt of over 128 adapter rows: its prefill splits the deltas over the threads (2 by default)
+    long_text = "USER: " + "The quick brown fox jumps over the lazy dog. " * 14 + "ASSISTANT:"
+    prompts = [long_text, TEXT, TEXT]
+    fast = llm.generate(prompts, greedy(), lora_request=lora, use_tqdm=False)
     if llm.llm_engine.model_runner.model.language_model.decode_stack() is None:
         pytest.skip("the decode stack does not run on this host (no panels)")
     assert taken and all(taken)
     monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
     linear_panels.bump_generation()
     taken.clear()
-    slow = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    slow = llm.generate(prompts, greedy(), lora_request=lora, use_tqdm=False)
     assert not any(taken)
     assert [ids(o) for o in slow] == [ids(o) for o in fast]
-    assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], TEXT, max_new_tokens=N)
+    assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], long_text, max_new_tokens=N)
+    assert ids(fast[2]) == peft_greedy(tiny_ckpt, adapters["B"], TEXT, max_new_tokens=N)
     monkeypatch.delenv("MMKIT_DECODE_STACK")
     linear_panels.bump_generation()
 
