@@ -294,14 +294,16 @@ class Scheduler:
         # whatever the workers' speed: one prefill for all, and the same preemptions on any
         # host. Arrival order is kept.
         # LoRA: a step holds at most max_loras adapters (the model's slots); a request whose
-        # adapter would be one more waits (FCFS: those behind it wait too).
+        # adapter would be one more waits, keeping its place, and those behind it may go (vLLM's rule).
+        skipped: list[Sequence] = []
         loras = {s.group.processed.lora_request.lora_int_id for s in self.running
                  if getattr(s.group.processed, "lora_request", None) is not None} if self.config.max_loras else set()
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             lora = getattr(seq.group.processed, "lora_request", None)
             if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
-                break
+                skipped.append(self.waiting.popleft())
+                continue
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
                 break
             hits = self._cached_prefix(seq)
@@ -322,6 +324,8 @@ class Scheduler:
                 loras.add(lora.lora_int_id)
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
+        for seq in reversed(skipped):
+            self.waiting.appendleft(seq)
         return token_budget
 
     def likely_admitted(self) -> list[str]:

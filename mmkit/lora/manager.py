@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mmkit.lora.layers import LoRAContext, LoRAEmbedding, LoRALinear
-from mmkit.lora.peft_format import PeftAdapter, is_tower_module, load_peft_adapter
+from mmkit.lora.peft_format import DECODER_PREFIXES, PeftAdapter, is_tower_module, load_peft_adapter
 from mmkit.lora.request import LoRAConfig, LoRARequest
 
 # Fused decoder projections: mmkit's module name -> the checkpoint names it holds, in order.
@@ -64,6 +64,7 @@ class LoRAManager:
         # float32 slots on CPU (the C decode stack reads them so; tiny next to the weights)
         dtype = torch.float32 if device.type == "cpu" else dtype
         found = []
+        self.module_types = {name: type(module).__name__ for name, module in model.named_modules()}
         for name, module in model.named_modules():
             if not name:
                 continue
@@ -72,7 +73,7 @@ class LoRAManager:
                 if _is_linear(module):
                     self.tower_names.add(name)
                 continue
-            if not (tower or name.startswith("language_model.") or name == "lm_head"):
+            if not (tower or name.startswith(DECODER_PREFIXES) or name == "lm_head"):
                 continue
             if isinstance(module, nn.Embedding) and name.endswith("embed_tokens") and not tower:
                 found.append((name, module, None))
@@ -134,6 +135,9 @@ class LoRAManager:
                 if name in self.tower_names:
                     raise ValueError(f"{where}: module {name!r} is on the vision tower/projector; pass "
                                      "enable_tower_connector_lora=True to serve adapters there")
+                if name in self.module_types:
+                    raise ValueError(f"{where}: module {name!r} is a {self.module_types[name]}; mmkit serves LoRA on "
+                                     "linear layers and token embeddings only")
                 raise ValueError(f"{where}: target module {name!r} is not a module of this model")
             module, index = self.targets[name]
             if isinstance(module, LoRAEmbedding) != weights.is_embedding:

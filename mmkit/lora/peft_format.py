@@ -28,10 +28,15 @@ _PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.visual.", "visual."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.text_model.", "text_model."),  # Idefics3 / SmolVLM
+    ("model.vision_model.", "vision_model."),
+    ("model.connector.", "connector."),
     ("model.", "language_model."),  # 4.x Qwen-VL / plain decoders: model.layers.*, model.embed_tokens
 )
 # mmkit's top-level parts that belong to the vision side (enable_tower_connector_lora).
-TOWER_PREFIXES = ("vision_tower.", "visual.", "multi_modal_projector.", "vision_model.", "mm_projector.")
+TOWER_PREFIXES = ("vision_tower.", "visual.", "multi_modal_projector.", "vision_model.", "mm_projector.", "connector.")
+# mmkit's names of the decoder (the text model) in its families.
+DECODER_PREFIXES = ("language_model.", "text_model.")
 
 
 def canonical_name(module_path: str) -> str:

@@ -75,10 +75,19 @@ def test_mixed_batch_then_base_unchanged(llm, tiny_ckpt, adapters):
 def test_third_adapter_evicts_and_reloads(tiny_ckpt, adapters):
     llm = LLM(str(tiny_ckpt), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
     manager = llm.llm_engine.model_runner.lora_manager
-    names = ["A", "B", "C", "A"]
-    outs = llm.generate([TEXT] * 4, greedy(), lora_request=[req(adapters, n) for n in names], use_tqdm=False)
-    for n, out in zip(names, outs):
-        assert ids(out) == peft_greedy(tiny_ckpt, adapters[n], TEXT, max_new_tokens=N), n
+    names = ["A", "B", "C", "A", None]
+    engine = llm.llm_engine
+    for i, n in enumerate(names):
+        engine.add_request(f"evict-{i}", TEXT, greedy(), lora_request=req(adapters, n) if n else None)
+    engine.step()  # the first step admits A, B, A and the base request; C waits for a slot
+    assert [s.group.request_id for s in engine.scheduler.running] == ["evict-0", "evict-1", "evict-3", "evict-4"]
+    assert [s.group.request_id for s in engine.scheduler.waiting] == ["evict-2"]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, n in enumerate(names):
+        want = peft_greedy(tiny_ckpt, adapters[n] if n else None, TEXT, max_new_tokens=N)
+        assert ids(finals[f"evict-{i}"]) == want, n
     assert len(manager.slots) == 2 and manager.num_slot_loads >= 3  # C took a slot from A or B
     loads = manager.num_loads
     again = llm.generate(TEXT, greedy(), lora_request=req(adapters, "C"), use_tqdm=False)
@@ -157,16 +166,39 @@ def test_decode_stack_keeps_lora_steps(llm, tiny_ckpt, adapters, monkeypatch):
 
     monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
     lora = [req(adapters, "A"), None, req(adapters, "B")]
-    fast = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    # a prompt of over 128 adapter rows: its prefill splits the deltas over the threads (2 by default)
+    long_text = "USER: " + "The quick brown fox jumps over the lazy dog. " * 14 + "ASSISTANT:"
+    prompts = [long_text, TEXT, TEXT]
+    fast = llm.generate(prompts, greedy(), lora_request=lora, use_tqdm=False)
     if llm.llm_engine.model_runner.model.language_model.decode_stack() is None:
         pytest.skip("the decode stack does not run on this host (no panels)")
     assert taken and all(taken)
     monkeypatch.setenv("MMKIT_DECODE_STACK", "0")
     linear_panels.bump_generation()
     taken.clear()
-    slow = llm.generate([TEXT] * 3, greedy(), lora_request=lora, use_tqdm=False)
+    slow = llm.generate(prompts, greedy(), lora_request=lora, use_tqdm=False)
     assert not any(taken)
     assert [ids(o) for o in slow] == [ids(o) for o in fast]
-    assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], TEXT, max_new_tokens=N)
+    assert ids(fast[0]) == peft_greedy(tiny_ckpt, adapters["A"], long_text, max_new_tokens=N)
+    assert ids(fast[2]) == peft_greedy(tiny_ckpt, adapters["B"], TEXT, max_new_tokens=N)
     monkeypatch.delenv("MMKIT_DECODE_STACK")
     linear_panels.bump_generation()
+
+
+def test_prompt_logprobs_under_an_lm_head_adapter(llm, tiny_ckpt, adapters):
+    import torch
+
+    from lora_ref import peft_model
+
+    model, processor = peft_model(str(tiny_ckpt), str(adapters["A"]))
+    inputs = processor(text=[TEXT], return_tensors="pt")
+    with torch.no_grad():
+        ref_lp = model(**inputs).logits[0].log_softmax(-1)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    outs = llm.generate([TEXT, TEXT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                        lora_request=[req(adapters, "A"), None], use_tqdm=False)
+    got = [d[prompt_ids[i]].logprob for i, d in enumerate(outs[0].prompt_logprobs) if i > 0]
+    want = [ref_lp[i - 1, prompt_ids[i]].item() for i in range(1, len(prompt_ids))]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    base = [d[prompt_ids[i]].logprob for i, d in enumerate(outs[1].prompt_logprobs) if i > 0]
+    assert max(abs(a - b) for a, b in zip(base, want)) > 1e-2  # the base row is not the adapter's

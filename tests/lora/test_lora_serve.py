@@ -51,7 +51,10 @@ def test_adapters_by_model_name(server, tiny_ckpt, adapters):
     assert completion_ids(client, "base") == want["base"]
     chat = client.chat.completions.create(model="sea", max_tokens=4, temperature=0,
                                           messages=[{"role": "user", "content": "Hello"}])
-    assert chat.choices[0].message.content is not None
+    assert chat.choices[0].message.content is not None and chat.model == "sea"
+    stream = client.chat.completions.create(model="sea", max_tokens=4, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Hello"}])
+    assert {chunk.model for chunk in stream} == {"sea"}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         completion_ids(client, "nope")
 

@@ -66,3 +66,16 @@ def test_qwen2_vl_adapters_with_and_without_image(qwen_ckpt, tmp_path):
     assert ids(outs[1]) == peft_greedy(qwen_ckpt, a, QWEN_PROMPT, [IMG], max_new_tokens=N)
     assert ids(outs[2]) == peft_greedy(qwen_ckpt, None, QWEN_PROMPT, [IMG], max_new_tokens=N)
     assert ids(outs[1]) != ids(outs[2])
+
+
+def test_qwen2_vl_vision_tower_adapter(qwen_ckpt, tmp_path):
+    tower = build_peft_adapter(qwen_ckpt, tmp_path / "qt", seed=4,
+                               target_modules=r".*visual\.blocks.*\.(qkv|fc1|proj)|.*merger\.mlp\.0")
+    conv = build_peft_adapter(qwen_ckpt, tmp_path / "qconv", seed=5, target_modules=r".*visual\.patch_embed\.proj")
+    llm = LLM(str(qwen_ckpt), dtype="float32", enable_lora=True, max_lora_rank=8, enable_tower_connector_lora=True)
+    image = {"prompt": QWEN_PROMPT, "multi_modal_data": {"image": IMG}}
+    outs = llm.generate([image, image], greedy(), lora_request=[LoRARequest("qt", 1, str(tower)), None], use_tqdm=False)
+    assert ids(outs[0]) == peft_greedy(qwen_ckpt, tower, QWEN_PROMPT, [IMG], max_new_tokens=N)
+    assert ids(outs[1]) == peft_greedy(qwen_ckpt, None, QWEN_PROMPT, [IMG], max_new_tokens=N)
+    with pytest.raises(ValueError, match=r"module 'visual.patch_embed.proj' is a Conv3d; mmkit serves LoRA on linear"):
+        llm.generate(image, greedy(), lora_request=LoRARequest("conv", 2, str(conv)), use_tqdm=False)

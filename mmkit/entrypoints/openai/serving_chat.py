@@ -50,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
             index=c.index, message=ChatMessage(role="assistant", content=c.text),
             logprobs=self._logprobs(c, 0, len(c.token_ids), top_logprobs) if top_logprobs is not None else None,
             finish_reason=_finish_reason(c)) for c in sorted(final.outputs, key=lambda c: c.index)]
-        body = ChatCompletionResponse(id=request_id, created=now(), model=self.config.model_name,
+        body = ChatCompletionResponse(id=request_id, created=now(), model=self.answer_model(request),
                                       choices=choices, usage=self.usage([final]))
         return JSONResponse(body.model_dump())
 
@@ -125,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request_id: str, request: ChatCompletionRequest, first: RequestOutput,
                       stream: AsyncIterator[RequestOutput], timer: RequestTimer, include_usage: bool,
                       top_logprobs: int | None) -> AsyncIterator[str]:
-        created, model = now(), self.config.model_name
+        created, model = now(), self.answer_model(request)
         usage_field = {"usage": None} if include_usage else {}
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:

@@ -70,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(
                     index=i * request.n + c.index, text=echoes[i] + c.text, finish_reason=_finish_reason(c),
                     logprobs=self._logprobs(c, 0, len(c.token_ids), k, len(echoes[i])) if k is not None else None))
-        body = CompletionResponse(id=request_id, created=now(), model=self.config.model_name, choices=choices,
+        body = CompletionResponse(id=request_id, created=now(), model=self.answer_model(request), choices=choices,
                                   usage=self.usage(finals))
         return JSONResponse(body.model_dump())
 
@@ -119,7 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request_id: str, request: CompletionRequest,
                       started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]], echoes: list[str],
                       timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
-        created, model, n, k = now(), self.config.model_name, request.n, request.logprobs
+        created, model, n, k = now(), self.answer_model(request), request.n, request.logprobs
         usage_field = {"usage": None} if include_usage else {}
         prefixes = [echoes[i] for i in range(len(started)) for _ in range(n)]
         state = StreamState(len(started) * n, prefixes)

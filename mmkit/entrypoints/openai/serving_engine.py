@@ -118,6 +118,14 @@ class OpenAIServing:
                               404, param="model", code="model_not_found")
         return None
 
+    def answer_model(self, request: Any) -> str:
+        """The `model` of a response: the adapter's name when the request named one (as vLLM
+        answers), else the base model's first served name."""
+        model = getattr(request, "model", None)
+        if self.config.lora is not None and model is not None and self.config.lora.get(model) is not None:
+            return model
+        return self.config.model_name
+
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
         """The request's fields -> `SamplingParams` (whose checks give the 400 messages)."""

@@ -146,7 +146,7 @@ class OpenAIServingResponses(OpenAIServing):
     def _shell(self, request: ResponsesRequest, params: SamplingParams, response_id: str) -> ResponseObject:
         """The response as it stands before any output: what `response.created` carries."""
         fmt = (request.text or {}).get("format") or {"type": "text"}
-        return ResponseObject(id=response_id, created_at=now(), status="in_progress", model=self.config.model_name,
+        return ResponseObject(id=response_id, created_at=now(), status="in_progress", model=self.answer_model(request),
                               instructions=request.instructions, temperature=params.temperature,
                               top_p=params.top_p, max_output_tokens=request.max_output_tokens,
                               text={"format": fmt})

@@ -56,7 +56,7 @@ int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, i
 int mmkit_lora_add(void *out, const void *x, int64_t x_stride, int64_t num_rows, int64_t k, int64_t n,
                    const int64_t *row_slots, const float *a, const float *bt, const float *scales,
                    const int64_t *slot_mask, const int64_t *bounds, int64_t num_slices, int64_t rank,
-                   int dtype);
+                   int dtype, int num_threads);
 
 enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
 
@@ -113,7 +113,7 @@ static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitSte
     if (st == 0 && s->lora_slots && w->lora) {
         const MmkitLora *L = w->lora;
         if (mmkit_lora_add(out, x, w->k, s->num_tokens, w->k, w->n, s->lora_slots, L->a, L->bt, L->scales,
-                           L->slot_mask, L->bounds, L->num_slices, L->rank, s->dtype) != 0)
+                           L->slot_mask, L->bounds, L->num_slices, L->rank, s->dtype, s->num_threads) != 0)
             return STACK_NO_MEMORY;
     }
     return st == 2 ? STACK_NO_MEMORY : st; /* 1: no kernel for this CPU; 2: an allocation failed */
