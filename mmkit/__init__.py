@@ -43,6 +43,7 @@ _EXPORTS = {
     "BeamSearchParams": "mmkit.entrypoints.beam_search",
     "BeamSearchOutput": "mmkit.entrypoints.beam_search",
     "BeamSearchSequence": "mmkit.entrypoints.beam_search",
+    "LoRARequest": "mmkit.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -57,6 +57,9 @@ class ModelConfig:
     # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
     # the online method asked for; None = the checkpoint's floats in `dtype`.
     quantization: Any = None
+    # Which implementation runs it: "mmkit" (a registered family) or "transformers" (the
+    # backend: transformers' own modules on mmkit's paged KV cache), chosen from `model_impl`.
+    model_impl: str = "mmkit"
     # A hybrid decoder's per-request state (mmkit/layers/state_spec.py), from the family's
     # `get_state_spec(hf_config)`; None: KV blocks only.
     state_spec: Any = None
@@ -89,6 +92,8 @@ class SchedulerConfig:
     # Placeholder tokens of items encoded per step (vLLM's encoder compute budget); 0 = the
     # token budget. One item larger than this is still encoded alone.
     max_num_encoder_input_tokens: int = 0
+    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off)
+    lora_tower: bool = False  # adapters change image embeddings: encoder-cache keys name the adapter
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,12 @@ class EngineConfig:
     # Images of waiting requests preprocessed on worker threads, at most this many ahead
     # (mmkit/multimodal/prefetcher.py); 0 = on the engine thread at scheduling time.
     preprocess_lookahead: int = 0
+    # CUDA: run every decode step eagerly instead of replaying captured CUDA graphs (vLLM's name).
+    enforce_eager: bool = False
+    # Which kernels read the paged cache (mmkit/layers/attention_backend.py): "auto" = "flex" on
+    # CUDA, "torch" (the CPU kernels) elsewhere.
+    attention_backend: str = "auto"
+    lora: Any = None  # mmkit.lora.LoRAConfig when enable_lora, else None
 
 
 @dataclass
@@ -142,6 +153,9 @@ class EngineArgs:
     # none; a compressed-tensors checkpoint is detected from its config without this).
     quantization: str | None = None
     quantization_config: Mapping[str, Any] | None = None  # {"group_size": 32} for int4
+    # vLLM's name: "auto" (the native family when registered, else the transformers backend when
+    # the architecture qualifies), "mmkit" (native only) or "transformers" (the backend).
+    model_impl: str = "auto"
     # Media fetching for `LLM.chat` (vLLM's names; mmkit/multimodal/media_fetch.py, docs/serving.md
     # "Media fetching"). None: LLM.chat reads any local path / fetches from any host (as before);
     # set, only files under the folder / only these hosts. The limits' None is the environment's
@@ -151,6 +165,16 @@ class EngineArgs:
     image_fetch_timeout: float | None = None  # seconds for a WHOLE download
     max_image_fetch_bytes: int | None = None
     max_image_pixels: int | None = None  # width x height, from the header before decoding
+    # CUDA: no CUDA graphs (every decode step eager), as vLLM's `enforce_eager`; no effect on CPU.
+    enforce_eager: bool = False
+    # "auto" | "torch" | "flex" | "flashinfer" | "flash_attn" (docs/gpu.md).
+    attention_backend: str = "auto"
+    # LoRA adapters per request (vLLM's names; mmkit/lora/): `lora_request=` on generate/chat.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    enable_tower_connector_lora: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from mmkit.plugins import load_plugins
@@ -175,6 +199,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=model.max_model_len,
+            max_loras=self.max_loras if self.enable_lora else 0,
+            lora_tower=bool(self.enable_lora and self.enable_tower_connector_lora),
         )
         return EngineConfig(
             model=model,
@@ -185,7 +211,27 @@ class EngineArgs:
             tokenizer_path=str(self.tokenizer or model_path),
             mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
             preprocess_lookahead=self.preprocess_lookahead if self.async_preprocess else 0,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            lora=self._lora_config(),
         )
+
+    def _lora_config(self):
+        from mmkit.lora.request import LoRAConfig
+
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora: got {type(self.enable_lora).__name__}; expected bool")
+        if not self.enable_lora:
+            return None
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            _check_positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras: got {self.max_cpu_loras}; expected at least max_loras = "
+                                 f"{self.max_loras}")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+                          bool(self.enable_tower_connector_lora))
 
     def _validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -197,7 +243,11 @@ class EngineArgs:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("preprocess_lookahead", self.preprocess_lookahead)
-        for name in ("async_preprocess", "kv_cache_preallocate"):
+        from mmkit.layers.attention_backend import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: got {self.attention_backend!r}; expected one of {list(BACKENDS)}")
+        for name in ("async_preprocess", "kv_cache_preallocate", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: got {type(getattr(self, name)).__name__}; expected bool")
         if isinstance(self.encoder_cache_memory, bool) or not isinstance(self.encoder_cache_memory, int) \
@@ -221,6 +271,8 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"limit_mm_per_prompt: unknown modality key(s) {unknown}; expected 'image' and/or "
                              "'video', e.g. {'image': 4, 'video': 1}")
+        if self.model_impl not in ("auto", "mmkit", "transformers"):
+            raise ValueError(f"model_impl: got {self.model_impl!r}; expected one of ['auto', 'mmkit', 'transformers']")
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, Mapping):
             raise TypeError(f"mm_processor_kwargs: got {type(self.mm_processor_kwargs).__name__}; expected a dict "
                             "like {'max_pixels': 200704}")
@@ -290,10 +342,10 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
     from mmkit.models.quantization import QuantizationSpec
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    architecture = ModelRegistry.architecture_of(hf_config)
+    architecture, model_impl = ModelRegistry.select(hf_config, args.model_impl)
     # What the family declares (mmkit.models.interfaces.SupportsMultiModal); generic code
     # never looks at the family's own config fields.
-    model_cls = ModelRegistry.resolve(architecture)[0]
+    model_cls = ModelRegistry.resolve(architecture, model_impl)[0]
     # Checked here, before any weight is read: an unsupported method fails with its name.
     quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
     text = hf_config.get_text_config()
@@ -322,6 +374,7 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
         layer_sliding_windows=tuple(layer_windows(text)),
         quantization=quantization,
+        model_impl=model_impl,
         state_spec=getattr(model_cls, "get_state_spec", lambda _config: None)(hf_config),
     )
 

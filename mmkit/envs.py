@@ -17,6 +17,34 @@ Media fetching (images given as http(s) URLs to `LLM.chat` and `mmkit serve`; do
 | MMKIT_MAX_IMAGE_FETCH_BYTES      | 20971520    | max_image_fetch_bytes / --max-image-fetch-bytes   | -                                |
 | MMKIT_MAX_IMAGE_PIXELS           | 89478485    | max_image_pixels / --max-image-pixels             | -                                |
 | MMKIT_MEDIA_URL_ALLOW_REDIRECTS  | 1           | (environment only, as in vLLM)                    | VLLM_MEDIA_URL_ALLOW_REDIRECTS   |
+
+Serving and plugins:
+
+| variable          | default | meaning                                                                  |
+|-------------------|---------|--------------------------------------------------------------------------|
+| MMKIT_API_KEY     | unset   | `mmkit serve --api-key`'s default (docs/serving.md)                      |
+| MMKIT_PLUGINS     | unset   | comma-separated plugin names to load (unset: all installed; "": none)    |
+
+CPU kernels and A/B switches (docs/speed.md). A switch that is on by default is off only for "0";
+one that is off by default is on for any value but "" and "0" (how they have always read):
+
+| variable                   | default        | meaning                                                          |
+|----------------------------|----------------|------------------------------------------------------------------|
+| MMKIT_CPU_KERNELS          | 1              | build and use the C kernels (0: torch ops only)                  |
+| MMKIT_REQUIRE_CPU_KERNELS  | 0              | a failed kernel build is an error (CI sets it)                   |
+| MMKIT_KERNEL_GENERIC       | 0              | build portable code paths (no -march=native)                     |
+| MMKIT_KERNEL_NO_AVX512     | 0              | build the AVX2 paths on an AVX-512 CPU                           |
+| MMKIT_KERNEL_CHECKS        | 0              | bounds checks in the attention and KV-write kernels              |
+| MMKIT_CACHE_DIR            | ~/.cache/mmkit | where built kernels are cached                                   |
+| MMKIT_DECODE_STACK         | 1              | the fused decode stack for eligible decoders                     |
+| MMKIT_FUSED_F32            | 1              | fused float32 elementwise kernels                                |
+| MMKIT_LINEAR_PANELS        | 1              | packed weight panels for `Linear`                                |
+| MMKIT_PANEL_MAX_ROWS       | auto           | bf16 rows up to which panels run (auto: 2 with AMX, else all)    |
+| MMKIT_QUANT_PANELS         | 1              | packed panels for quantized linears                              |
+| MMKIT_PACKED_LINEAR        | 1              | oneDNN-packed bf16 weights beside the panels                     |
+| MMKIT_GEMV_MAX_ROWS        | 16             | float32 rows up to which `Linear` runs the C GEMV (0: never)     |
+| MMKIT_PAGED_PREFILL        | 1              | the paged prefill attention kernel (0: one SDPA call per chunk)  |
+| MMKIT_KV_HUGEPAGES         | 0              | back the CPU KV cache with huge pages                            |
 """
 
 from __future__ import annotations
@@ -68,7 +96,39 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}: got {raw!r}; expected 1 or 0 (true/false)")
 
 
-#: name -> how to read it. Documented in the module docstring's table.
+def _on_unless_zero(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def _on_if_set(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def _optional_str(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _optional_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: got {raw!r}; expected an integer") from None
+
+
+def _int(name: str, default: int) -> int:
+    value = _optional_int(name)
+    return default if value is None else value
+
+
+_ON_BY_DEFAULT = ("MMKIT_CPU_KERNELS", "MMKIT_DECODE_STACK", "MMKIT_FUSED_F32", "MMKIT_LINEAR_PANELS",
+                  "MMKIT_QUANT_PANELS", "MMKIT_PACKED_LINEAR", "MMKIT_PAGED_PREFILL")
+_OFF_BY_DEFAULT = ("MMKIT_REQUIRE_CPU_KERNELS", "MMKIT_KERNEL_GENERIC", "MMKIT_KERNEL_NO_AVX512",
+                   "MMKIT_KERNEL_CHECKS", "MMKIT_KV_HUGEPAGES")
+
+#: name -> how to read it. Documented in the module docstring's tables.
 environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds a WHOLE image download may take (connect, headers and body together).
     "MMKIT_IMAGE_FETCH_TIMEOUT": lambda: _positive_float("MMKIT_IMAGE_FETCH_TIMEOUT", 10.0),
@@ -79,6 +139,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "MMKIT_MAX_IMAGE_PIXELS": lambda: _positive_int("MMKIT_MAX_IMAGE_PIXELS", MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS),
     # Whether image URLs may redirect (to an allowed host only, when --allowed-media-domains is set).
     "MMKIT_MEDIA_URL_ALLOW_REDIRECTS": lambda: _flag("MMKIT_MEDIA_URL_ALLOW_REDIRECTS", True),
+    "MMKIT_API_KEY": lambda: _optional_str("MMKIT_API_KEY"),
+    "MMKIT_PLUGINS": lambda: _optional_str("MMKIT_PLUGINS"),
+    "MMKIT_CACHE_DIR": lambda: _optional_str("MMKIT_CACHE_DIR") or None,
+    "MMKIT_PANEL_MAX_ROWS": lambda: _optional_int("MMKIT_PANEL_MAX_ROWS") or None,
+    "MMKIT_GEMV_MAX_ROWS": lambda: _int("MMKIT_GEMV_MAX_ROWS", 16),
+    **{name: (lambda name=name: _on_unless_zero(name)) for name in _ON_BY_DEFAULT},
+    **{name: (lambda name=name: _on_if_set(name)) for name in _OFF_BY_DEFAULT},
 }
 
 # Static names for type checkers and readers; the values come from `__getattr__`.
@@ -86,6 +153,23 @@ MMKIT_IMAGE_FETCH_TIMEOUT: float
 MMKIT_MAX_IMAGE_FETCH_BYTES: int
 MMKIT_MAX_IMAGE_PIXELS: int
 MMKIT_MEDIA_URL_ALLOW_REDIRECTS: bool
+MMKIT_API_KEY: str | None
+MMKIT_PLUGINS: str | None
+MMKIT_CACHE_DIR: str | None
+MMKIT_PANEL_MAX_ROWS: int | None
+MMKIT_GEMV_MAX_ROWS: int
+MMKIT_CPU_KERNELS: bool
+MMKIT_DECODE_STACK: bool
+MMKIT_FUSED_F32: bool
+MMKIT_LINEAR_PANELS: bool
+MMKIT_QUANT_PANELS: bool
+MMKIT_PACKED_LINEAR: bool
+MMKIT_PAGED_PREFILL: bool
+MMKIT_REQUIRE_CPU_KERNELS: bool
+MMKIT_KERNEL_GENERIC: bool
+MMKIT_KERNEL_NO_AVX512: bool
+MMKIT_KERNEL_CHECKS: bool
+MMKIT_KV_HUGEPAGES: bool
 
 
 def __getattr__(name: str) -> Any:

@@ -37,3 +37,11 @@ class RequestFailedError(RuntimeError):
         super().__init__(
             f"{len(failed)} of {len(outputs)} prompts failed: " + "; ".join(parts)
             + ". The other prompts completed: their outputs are in this error's .outputs (None for each failed prompt)")
+
+
+def error_message(exc: BaseException) -> str:
+    """How a per-item caller (eval records, Ray rows) writes an item's error: a bad input's own
+    message (`ValueError`/`TypeError` name the field and the cause), anything else with its type."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

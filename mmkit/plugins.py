@@ -10,8 +10,9 @@ built, naming the plugin (a family silently missing would fail later and less cl
 
 from __future__ import annotations
 
-import os
 import threading
+
+from mmkit import envs
 
 PLUGIN_GROUP = "mmkit.plugins"
 _lock = threading.Lock()
@@ -27,7 +28,7 @@ def load_plugins() -> list[str]:
             return list(_loaded)
         from importlib.metadata import entry_points
 
-        selected = os.environ.get("MMKIT_PLUGINS")
+        selected = envs.MMKIT_PLUGINS
         allowed = None if selected is None else {n.strip() for n in selected.split(",") if n.strip()}
         called = []
         for ep in entry_points(group=PLUGIN_GROUP):

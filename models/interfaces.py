@@ -24,24 +24,12 @@ the runner slices them per step and passes `positions` of shape `[3, num_tokens]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
-# One item's model inputs as the processor builds them, e.g. LLaVA's
-# {"pixel_values": [1, 3, H, W]} or Qwen2-VL's {"pixel_values": [patches, dim],
-# "image_grid_thw": [1, 3]}. The runner moves them to the model's device, nothing else.
-MultiModalKwargs = dict[str, torch.Tensor]
-
-
-class PlaceholderRange(NamedTuple):
-    """Prompt positions [offset, offset + length) that one item's embedding rows replace.
-
-    NOTE: `length` equals the number of rows `embed_multimodal` returns for the item
-    (checked by the runner). A NamedTuple, so `(offset, length)` tuples compare equal."""
-
-    offset: int
-    length: int
+# The request-carried types live in mmkit/multimodal/inputs.py; re-exported for the families.
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange  # noqa: F401 (re-export)
 
 
 @runtime_checkable

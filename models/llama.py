@@ -8,25 +8,25 @@ hidden states are `[num_tokens, hidden_size]`, never padded.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+from mmkit.models.moe import SparseMoeBlock
 from torch import nn
 from transformers.activations import ACT2FN
 
+from mmkit import envs
+from mmkit.layers import cpu_kernels, fused_f32, linear_panels
 from mmkit.layers.attention import AttentionMetadata, paged_attention
+from mmkit.layers.decode_stack import DecodeStack
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import QuantizedLinear, fuse_quantized
-from mmkit.layers import cpu_kernels, fused_f32, linear_panels
-from mmkit.layers.decode_stack import DecodeStack
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
-from mmkit.models.moe import SparseMoeBlock
 
 
 def can_pack_for_onednn(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and _onednn_bf16_packs())
+            and envs.MMKIT_PACKED_LINEAR and _onednn_bf16_packs())
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def _onednn_bf16_packs() -> bool:
 
 
 # float32 rows up to which `Linear` runs the C GEMV instead of a matmul (MMKIT_GEMV_MAX_ROWS=0: never).
-GEMV_MAX_ROWS = int(os.environ.get("MMKIT_GEMV_MAX_ROWS", "16"))
+GEMV_MAX_ROWS = envs.MMKIT_GEMV_MAX_ROWS
 
 
 class Linear(nn.Linear):
@@ -78,7 +78,7 @@ class Linear(nn.Linear):
         another module (a tied LM head)."""
         self._run_panels, self._onednn, self._panel_max_rows = None, None, None
         linear_panels.bump_generation()
-        if os.environ.get("MMKIT_PACKED_LINEAR", "1") != "0" and linear_panels.can_pack(self.weight):
+        if envs.MMKIT_PACKED_LINEAR and linear_panels.can_pack(self.weight):
             self._packed = linear_panels.pack(self.weight.detach())
             self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
             if self.weight.dtype == torch.bfloat16 and linear_panels.BF16_MAX_ROWS is not None \

@@ -83,9 +83,15 @@ class _ModelRegistry:
         with self._lock:
             return architecture in self._entries
 
-    def resolve(self, architecture: str) -> tuple[type, type]:
+    def resolve(self, architecture: str, model_impl: str = "mmkit") -> tuple[type, type]:
         """(model class, input processor class) of `architecture`; lazy references are
-        imported here (and kept)."""
+        imported here (and kept). `model_impl="transformers"`: the transformers backend's
+        classes (models/transformers_backend/), whatever is registered."""
+        if model_impl == "transformers":
+            from mmkit.models.transformers_backend import TransformersBackendModel
+            from mmkit.processors.transformers_backend import TransformersInputProcessor
+
+            return TransformersBackendModel, TransformersInputProcessor
         with self._lock:
             entry = self._entries.get(architecture)
         if entry is None:
@@ -112,6 +118,69 @@ class _ModelRegistry:
         if check is not None:
             check(hf_config)
         return arch
+
+
+    def select(self, hf_config: Any, model_impl: str = "auto") -> tuple[str, str]:
+        """(architecture, implementation) that runs a checkpoint config: "mmkit" (a registered
+        family) or "transformers" (the backend). `model_impl`: "auto" (native when registered,
+        else the backend when the architecture qualifies), "mmkit" or "transformers". An
+        unsupported choice is a ValueError naming the reason and the model_impl to try; nothing
+        here reads weights."""
+        from mmkit.models.transformers_backend.qualify import MODEL_IMPLS, check_backend_supports
+
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: got {model_impl!r}; expected one of {list(MODEL_IMPLS)}")
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        with self._lock:
+            native_arch = archs[0] if archs and archs[0] in self._entries else (
+                None if archs else self._by_model_type.get(getattr(hf_config, "model_type", None)))
+        if model_impl == "mmkit" or (model_impl == "auto" and native_arch is not None):
+            if native_arch is None and archs:
+                try_backend = "" if transformers_refusal(hf_config, archs[0]) else \
+                    "; model_impl='transformers' runs it through transformers' own modules"
+                raise ValueError(f"model: architecture {archs[0]!r} has no native mmkit implementation "
+                                 f"(model_impl={model_impl!r}){try_backend}; native architectures: "
+                                 f"{self.get_supported_archs()}")
+            return self.architecture_of(hf_config), "mmkit"
+        if not archs:
+            raise ValueError(f"model: the config names no architectures (model_type "
+                             f"{getattr(hf_config, 'model_type', None)!r}); the transformers backend needs "
+                             "architectures[0]; native architectures: " + str(self.get_supported_archs()))
+        if model_impl == "auto":
+            reason = transformers_refusal(hf_config, archs[0])
+            if reason is not None:
+                raise ValueError(f"model: architecture {archs[0]!r} is not supported; supported architectures: "
+                                 f"{self.get_supported_archs()} (native), and the transformers backend refuses it: "
+                                 + reason.split(": ", 1)[1])
+        check_backend_supports(hf_config, archs[0], native=native_arch is not None)
+        return archs[0], "transformers"
+
+    def get_implementation(self, architecture: str | Any, model_impl: str = "auto") -> str:
+        """Which implementation runs `architecture` (a name, or a checkpoint's HF config for the
+        full check): "mmkit" (native) or "transformers" (the backend); a ValueError naming the
+        reason when neither can."""
+        if isinstance(architecture, str):
+            from types import SimpleNamespace
+
+            from mmkit.models.transformers_backend.qualify import transformers_class
+
+            cls = transformers_class(architecture)
+            try:  # the class's default config: enough to see what kind of decoder it is
+                config = cls.config_class() if cls is not None and getattr(cls, "config_class", None) else None
+            except Exception:  # noqa: BLE001 - a config class that needs arguments
+                config = None
+            if config is None:
+                config = SimpleNamespace(architectures=[architecture], model_type=None,
+                                         get_text_config=lambda: SimpleNamespace())
+            config.architectures = [architecture]
+            return self.select(config, model_impl)[1]
+        return self.select(architecture, model_impl)[1]
+
+
+def transformers_refusal(hf_config: Any, architecture: str) -> str | None:
+    from mmkit.models.transformers_backend.qualify import backend_refusal
+
+    return backend_refusal(hf_config, architecture)
 
 
 ModelRegistry = _ModelRegistry()

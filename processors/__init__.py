@@ -14,5 +14,5 @@ def get_input_processor(model_config, tokenizer_path: str, limit_mm_per_prompt,
     """The registered processor of `model_config.architecture` (mmkit.models.registry)."""
     from mmkit.models.registry import ModelRegistry
 
-    cls = ModelRegistry.resolve(model_config.architecture)[1]
+    cls = ModelRegistry.resolve(model_config.architecture, getattr(model_config, "model_impl", "mmkit"))[1]
     return cls(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)

@@ -17,30 +17,33 @@ Gemma3Processor's keys and go into the processor call, so its own defaults and p
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import torch
-
-from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
-from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
-from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
-                                           expand_token_ids)
-from mmkit.processors.span_embeds_input import (GivenSpanItem, given_item_inputs, given_span_embeds,
-                                              sized_or_one_view)
+from mmkit.processors.replacements import (
+    ReplacementProbe,
+    call_processor,
+    check_feature_rows,
+    expand_text,
+    expand_token_ids,
+)
+from mmkit.processors.span_embeds_input import (
+    GivenSpanItem,
+    given_item_inputs,
+    given_span_embeds,
+    sized_or_one_view,
+)
 from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
+
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.parse import ParsedPrompt
 
 # Gemma3Processor's image options (vLLM's `mm_processor_kwargs` for Gemma 3).
 ALLOWED_MM_PROCESSOR_KWARGS = {"do_pan_and_scan": BOOL, "pan_and_scan_min_crop_size": POSITIVE_INT,
                                "pan_and_scan_max_num_crops": POSITIVE_INT,
                                "pan_and_scan_min_ratio_to_activate": POSITIVE_NUMBER}
-
-
-def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    return check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS,
-                         "{'do_pan_and_scan': True, 'pan_and_scan_min_crop_size': 256}")
 
 
 def soft_token_runs(ranges: list[PlaceholderRange], ids: list[int], image_token_id: int) -> list[PlaceholderRange]:
@@ -58,22 +61,16 @@ def soft_token_runs(ranges: list[PlaceholderRange], ids: list[int], image_token_
     return runs
 
 
-class Gemma3InputProcessor:
+class Gemma3InputProcessor(BaseInputProcessor):
     """`InputProcessor` of Gemma3ForConditionalGeneration (images; pan-and-scan options)."""
 
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+    mm_processor_rules = ALLOWED_MM_PROCESSOR_KWARGS
+    mm_processor_example = "{'do_pan_and_scan': True, 'pan_and_scan_min_crop_size': 256}"
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
-
-        self.name = model_config.architecture
-        self.model_config = model_config
-        hf = self.hf_processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
-        self.tokenizer = hf.tokenizer
-        self.image_processor = hf.image_processor
-        self.chat_template = getattr(hf, "chat_template", None)
-        self.vocab_size = model_config.vocab_size
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
+        hf = self.load_hf_processor(tokenizer_path)
         hf_config = model_config.hf_config
         self.placeholder = hf.image_token  # `<start_of_image>` in prompts
         self.image_token_id = self.tokenizer.image_token_id  # the soft token the features replace
@@ -84,15 +81,12 @@ class Gemma3InputProcessor:
         if hf.image_seq_length != self.tokens_per_view:
             raise ValueError(f"model: the processor writes image_seq_length = {hf.image_seq_length} soft tokens per "
                              f"image; the model's projector gives mm_tokens_per_image = {self.tokens_per_view}")
-        self.max_images = int(limit_mm_per_prompt.get("image", 8))
-        self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         self.probe = ReplacementProbe(hf)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        options = {**self.default_kwargs,
-                   **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        options = self.request_options(where, parsed)
         given = None
         if parsed.image_embeds is not None:
             given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
@@ -101,9 +95,7 @@ class Gemma3InputProcessor:
                                       replacement=sized_or_one_view(self.probe, options, {"do_pan_and_scan": False}))
             num_images = len(given)
         else:
-            if parsed.num_images > self.max_images:
-                raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
-                                 f"limit_mm_per_prompt['image'] = {self.max_images}")
+            self.check_item_counts(where, {"image": parsed.num_images})
             images = list(parsed.images)
             num_images = len(images)
         wheres = [f"{where}.multi_modal_data.image[{k}]" for k in range(num_images)]

@@ -17,18 +17,27 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping
 
 import torch
-
-from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs
-from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
 from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
-from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
-from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
-                                           expand_token_ids)
-from mmkit.processors.span_embeds_input import (GivenSpanItem, given_item_inputs, given_span_embeds,
-                                              sized_or_one_view)
+from mmkit.processors.replacements import (
+    ReplacementProbe,
+    call_processor,
+    check_feature_rows,
+    expand_text,
+    expand_token_ids,
+)
+from mmkit.processors.span_embeds_input import (
+    GivenSpanItem,
+    given_item_inputs,
+    given_span_embeds,
+    sized_or_one_view,
+)
 from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
+
+from mmkit.multimodal.inputs import MultiModalKwargs
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.multimodal.video import parse_videos
+
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.
 def _is_longest_edge(size: Any) -> bool:
@@ -37,10 +46,6 @@ def _is_longest_edge(size: Any) -> bool:
 
 ALLOWED_MM_PROCESSOR_KWARGS = {"do_image_splitting": BOOL,
                                "size": OptionRule(_is_longest_edge, "{'longest_edge': <positive int>}")}
-
-
-def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    return check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'do_image_splitting': False}")
 
 
 class VideosPerPrompt:
@@ -60,27 +65,22 @@ class VideosPerPrompt:
         return self.hf_processor(*args, videos=None if videos is None else [videos], **kwargs)
 
 
-class Idefics3InputProcessor:
+class Idefics3InputProcessor(BaseInputProcessor):
     """`InputProcessor` of Idefics3 (images); `SmolVLMInputProcessor` adds video."""
 
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+    mm_processor_rules = ALLOWED_MM_PROCESSOR_KWARGS
+    mm_processor_example = "{'do_image_splitting': False}"
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
-
         from mmkit.models.registry import get_model_class
 
-        self.name = model_config.architecture
-        self.model_config = model_config
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         self.model_cls = get_model_class(self.name)
-        hf = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
-        self.tokenizer = hf.tokenizer
-        self.image_processor = hf.image_processor
-        self.video_processor = getattr(hf, "video_processor", None) if "video" in self.supported_modalities else None
-        self.hf_processor = VideosPerPrompt(hf) if self.video_processor is not None else hf
-        self.chat_template = getattr(hf, "chat_template", None)
-        self.vocab_size = model_config.vocab_size
+        hf = self.load_hf_processor(tokenizer_path)
+        self.video_processor = getattr(self, "video_processor", None)  # image-only Idefics3: none
+        if self.video_processor is not None:
+            self.hf_processor = VideosPerPrompt(hf)
         self.image_token_id = model_config.hf_config.image_token_id
         self.placeholders = {"image": hf.image_token}
         if self.video_processor is not None:
@@ -93,15 +93,12 @@ class Idefics3InputProcessor:
         if hf.image_seq_len != self.image_seq_len:
             raise ValueError(f"model: the processor writes image_seq_len = {hf.image_seq_len} tokens per view; the "
                              f"model's pixel shuffle gives {self.image_seq_len}")
-        self.max_items = {m: int(limit_mm_per_prompt.get(m, 8 if m == "image" else 1)) for m in ("image", "video")}
-        self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         self.probe = ReplacementProbe(self.hf_processor)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        options = {**self.default_kwargs,
-                   **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        options = self.request_options(where, parsed)
         given = None
         if parsed.image_embeds is not None:
             given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
@@ -124,10 +121,7 @@ class Idefics3InputProcessor:
         given_reps, given = given, {"image": [[image] for image in parsed.images], "video": videos}
         if given_reps is not None:  # placeholders for the count check; their spans come from the sizes
             given["image"] = [[None]] * num_given
-        for modality, items in given.items():
-            if len(items) > self.max_items[modality]:
-                raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
-                                 f"limit_mm_per_prompt['{modality}'] = {self.max_items[modality]}")
+        self.check_item_counts(where, {m: len(items) for m, items in given.items()})
         wheres = {m: [f"{where}.multi_modal_data.{m}[{k}]" for k in range(len(given[m]))] for m in self.placeholders}
         used = {"image": options, "video": {}}  # the request's options apply to images
         if parsed.prompt is not None:  # the count first: a clear error before any processor call

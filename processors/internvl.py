@@ -16,38 +16,35 @@ import json
 from dataclasses import replace
 from typing import Any, Mapping
 
-from mmkit.multimodal.items import ImageItem
-from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
 from mmkit.models.internvl import tokens_per_tile
 from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max
-from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.processors.llava import LlavaInputProcessor
+from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max
 from mmkit.processors.replacements import Replacement, call_processor
+
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": POSITIVE_INT, "max_patches": POSITIVE_INT, "crop_to_patches": BOOL}
 _LAYOUT_PREFIX = "internvl_tiling="
 
 
-def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    checked = check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'max_patches': 6}")
-    check_min_le_max(where, checked, "min_patches", "max_patches")
-    return checked
 
 
 class InternVLInputProcessor(LlavaInputProcessor):
     """`InputProcessor` of InternVL: size- and option-dependent tile counts, `<img>...</img>` runs."""
 
+    mm_processor_rules = ALLOWED_MM_PROCESSOR_KWARGS
+    mm_processor_example = "{'max_patches': 6}"
+
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
-        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, None)
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         hf = self.hf_processor
         if self.probe is None:
             raise ValueError(f"model: {model_config.architecture} needs the checkpoint's processor "
                              f"(processor_config.json and the tokenizer files) in {model_config.path!r}")
-        self.default_kwargs = default_kwargs
         self.tokens_per_tile = tokens_per_tile(model_config.hf_config)
         if hf.image_seq_length != self.tokens_per_tile:
             raise ValueError(f"model: the processor's image_seq_length is {hf.image_seq_length} but the model "
@@ -56,14 +53,18 @@ class InternVLInputProcessor(LlavaInputProcessor):
 
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        kwargs = {**self.default_kwargs,
-                  **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        kwargs = self.request_options(where, parsed)
         layout = _LAYOUT_PREFIX + json.dumps(kwargs, sort_keys=True) if kwargs else ""
         tagged = replace(parsed, images=[replace(item, layout=layout) for item in parsed.images],
                          mm_processor_kwargs=None)
         processed = super().process(tagged)
         processed.mm_processor_kwargs = kwargs
         return processed
+
+    def check_mm_processor_kwargs(self, where: str, kwargs: Any) -> dict[str, Any]:
+        checked = super().check_mm_processor_kwargs(where, kwargs)
+        check_min_le_max(where, checked, "min_patches", "max_patches")
+        return checked
 
     def processor_kwargs(self, item: ImageItem) -> dict[str, Any]:
         return _tiling(item)

@@ -8,38 +8,39 @@ What an image's placeholder becomes is what the checkpoint's processor writes fo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import torch
+from mmkit.models.registry import get_model_class
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import (
+    Replacement,
+    ReplacementProbe,
+    check_feature_rows,
+    count_tokens,
+    expand_text,
+    feature_run,
+)
 
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
-from mmkit.models.registry import get_model_class
-from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.replacements import (Replacement, ReplacementProbe, check_feature_rows, count_tokens,
-                                           expand_text, feature_run)
 
 # ImageItem.layout of an image that is encoded as its base view alone (OneVision, multi-image).
 BASE_VIEW = "base_view"
 
 
-class LlavaInputProcessor:
+class LlavaInputProcessor(BaseInputProcessor):
     """LLaVA-1.5's `InputProcessor`: `image_seq_length` placeholder tokens per image."""
-
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-        if mm_processor_kwargs:
-            raise ValueError(f"mm_processor_kwargs: got {dict(mm_processor_kwargs)!r}; "
-                             f"{model_config.architecture} takes no processor options")
-
-        self.model_config = model_config
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         self.image_token_id = model_config.image_token_id
-        self.max_images = int(limit_mm_per_prompt.get("image", 8))
+        # NOTE: not `load_hf_processor`: LLaVA checkpoints saved before processor configs
+        # existed carry a tokenizer and an image processor only.
         try:
             processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
         except Exception:  # noqa: BLE001 - older checkpoints ship no processor config
@@ -54,7 +55,6 @@ class LlavaInputProcessor:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.chat_template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-        self.vocab_size = model_config.vocab_size
         # The model decides how many placeholder tokens an image takes (a constant for LLaVA-1.5;
         # size-dependent for anyres families, whose processors override `image_token_counts`).
         self.model_cls = get_model_class(model_config.architecture)
@@ -68,9 +68,7 @@ class LlavaInputProcessor:
         if parsed.image_embeds_fields:
             raise ValueError(f"{where}.multi_modal_data: got image embeddings with {sorted(parsed.image_embeds_fields)}; "
                              f"{self.model_config.architecture} takes a tensor [N, tokens, hidden_size] only")
-        if parsed.mm_processor_kwargs:
-            raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; "
-                             f"{self.model_config.architecture} takes no processor options")
+        self.request_options(where, parsed)  # refuses options LLaVA does not take (subclasses apply theirs)
         if parsed.prompt is not None and parsed.image_embeds is None and parsed.num_images and self.probe:
             # The processor's own expansion of the text; each image's range is its feature run.
             reps = self.image_replacements(where, parsed)
@@ -89,11 +87,7 @@ class LlavaInputProcessor:
                 )
             ids, ranges = self._expand(where, ids, self.image_token_counts(where, parsed), allow_expanded=True)
         num_images = parsed.num_images
-        if num_images > self.max_images:
-            raise ValueError(
-                f"{where}.multi_modal_data: got {num_images} images; expected at most "
-                f"limit_mm_per_prompt['image'] = {self.max_images}"
-            )
+        self.check_item_counts(where, {"image": num_images})
         if len(ranges) != num_images:
             raise ValueError(
                 f"{where}: the prompt has {len(ranges)} image placeholder(s) but {num_images} image(s) "

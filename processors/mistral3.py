@@ -9,54 +9,47 @@ resizes to. When the image is scheduled, the same processor call on its pixels g
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import torch
-
-from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs
-from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
-                                           expand_token_ids)
-from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import (
+    ReplacementProbe,
+    call_processor,
+    check_feature_rows,
+    expand_text,
+    expand_token_ids,
+)
+from mmkit.processors.span_embeds_input import (
+    GivenSpanItem,
+    given_item_inputs,
+    given_span_embeds,
+)
 from mmkit.processors.spans import SpanItem, checked_token_ids
 
+from mmkit.multimodal.inputs import MultiModalKwargs
+from mmkit.multimodal.parse import ParsedPrompt
 
-class Mistral3InputProcessor:
+
+class Mistral3InputProcessor(BaseInputProcessor):
     """`InputProcessor` of Mistral3ForConditionalGeneration (images of any size; no options)."""
-
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
-
-        self.name = model_config.architecture
-        if mm_processor_kwargs:
-            raise ValueError(f"mm_processor_kwargs: got {dict(mm_processor_kwargs)!r}; {self.name} takes no "
-                             "processor options")
-        self.model_config = model_config
-        self.hf_processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
-        self.tokenizer = self.hf_processor.tokenizer
-        self.image_processor = self.hf_processor.image_processor
-        self.chat_template = getattr(self.hf_processor, "chat_template", None)
-        self.vocab_size = model_config.vocab_size
-        hf = self.hf_processor
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
+        hf = self.load_hf_processor(tokenizer_path)
         self.image_token_id = hf.image_token_id
         if self.image_token_id != model_config.hf_config.image_token_id:
             raise ValueError(f"model: the processor's image token {hf.image_token!r} has id {self.image_token_id}; "
                              f"the model config's image_token_index is {model_config.hf_config.image_token_id}")
         vision = model_config.hf_config.vision_config
         self.step = vision.patch_size * model_config.hf_config.spatial_merge_size  # pixels per feature row
-        self.max_images = int(limit_mm_per_prompt.get("image", 8))
         self.probe = ReplacementProbe(hf)
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        if parsed.mm_processor_kwargs:
-            raise ValueError(f"{where}.mm_processor_kwargs: got {parsed.mm_processor_kwargs!r}; {self.name} takes "
-                             "no processor options")
+        self.request_options(where, parsed)  # refuses any: Mistral 3 takes no processor options
         given = None
         if parsed.image_embeds is not None:
             given = given_span_embeds(where, parsed, name=self.name, hidden_size=self.model_config.hidden_size,
@@ -65,9 +58,7 @@ class Mistral3InputProcessor:
             reps = [g.rep for g in given]
             wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(given))]
         else:
-            if parsed.num_images > self.max_images:
-                raise ValueError(f"{where}.multi_modal_data: got {parsed.num_images} images; expected at most "
-                                 f"limit_mm_per_prompt['image'] = {self.max_images}")
+            self.check_item_counts(where, {"image": parsed.num_images})
             images = list(parsed.images)
             wheres = [f"{where}.multi_modal_data.image[{i}]" for i in range(len(images))]
             reps = [self.probe.replacement("image", im.width, im.height, 1, {}, w) for im, w in zip(images, wheres)]

@@ -20,19 +20,26 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 import torch
+from mmkit.models.mrope import MRopeItem, mrope_positions
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
+from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
+from mmkit.processors.replacements import (
+    Replacement,
+    ReplacementProbe,
+    call_processor,
+    check_feature_rows,
+    check_placeholder_counts,
+    expand_text,
+    expand_token_ids,
+    feature_run,
+)
+from mmkit.processors.spans import checked_token_ids
 
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
-from mmkit.models.mrope import MRopeItem, mrope_positions
-from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
-from mmkit.processors.mm_kwargs import check_mm_processor_kwargs as check_options
 from mmkit.multimodal.video import parse_videos
-from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
-from mmkit.processors.replacements import (Replacement, ReplacementProbe, call_processor, check_feature_rows,
-                                           check_placeholder_counts, expand_text, expand_token_ids, feature_run)
-from mmkit.processors.spans import checked_token_ids
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}
@@ -75,53 +82,41 @@ class VisionItem:
         return self._hash
 
 
-def check_mm_processor_kwargs(where: str, kwargs: Any) -> dict[str, Any]:
-    checked = check_options(where, kwargs, ALLOWED_MM_PROCESSOR_KWARGS, "{'max_pixels': 200704}")
-    check_min_le_max(where, checked, "min_pixels", "max_pixels")
-    return checked
-
-
-class Qwen2VLInputProcessor:
+class Qwen2VLInputProcessor(BaseInputProcessor):
     """Tokens, placeholder ranges, M-RoPE positions and per-item pixels for Qwen2(.5)-VL."""
 
     supported_modalities: ClassVar[tuple[str, ...]] = ("image", "video")
+    mm_processor_rules = ALLOWED_MM_PROCESSOR_KWARGS
+    mm_processor_example = "{'max_pixels': 200704}"
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
-
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
         hf = model_config.hf_config
-        self.model_config = model_config
-        self.hf_processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
-        self.tokenizer = self.hf_processor.tokenizer
-        self.image_processor = self.hf_processor.image_processor
-        self.video_processor = getattr(self.hf_processor, "video_processor", None)
-        self.chat_template = getattr(self.hf_processor, "chat_template", None)
-        self.vocab_size = model_config.vocab_size
+        self.load_hf_processor(tokenizer_path)
         self.token_ids = {"image": hf.image_token_id, "video": hf.video_token_id}
         self.token_names = {"image": self.hf_processor.image_token, "video": self.hf_processor.video_token}
         self.merge_size = hf.vision_config.spatial_merge_size
         self.tokens_per_second = getattr(hf.vision_config, "tokens_per_second", None)  # Qwen2.5-VL only
-        self.max_items = {m: int(limit_mm_per_prompt.get(m, 8 if m == "image" else 1)) for m in ("image", "video")}
-        self.default_kwargs = check_mm_processor_kwargs("mm_processor_kwargs", mm_processor_kwargs)
         self.deepstack_layers = 0  # Qwen3-VL: DeepStack feature sets carried beside given image embeddings
         self.probe = ReplacementProbe(self.hf_processor)
+
+    def check_mm_processor_kwargs(self, where: str, kwargs: Any) -> dict[str, Any]:
+        checked = super().check_mm_processor_kwargs(where, kwargs)
+        check_min_le_max(where, checked, "min_pixels", "max_pixels")
+        return checked
 
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
-        kwargs = {**self.default_kwargs,
-                  **check_mm_processor_kwargs(f"{where}.mm_processor_kwargs", parsed.mm_processor_kwargs)}
+        kwargs = self.request_options(where, parsed)
         videos = [] if parsed.video_data is None else parse_videos(f"{where}.multi_modal_data['video']",
                                                                     parsed.video_data)
         given = {"image": list(parsed.images), "video": videos}
         if parsed.image_embeds is not None:  # processors/qwen_embeds.py: the layout and its checks
             given["image"] = given_image_items(where, parsed, self.merge_size, self.model_config.hidden_size,
                                                self.deepstack_layers)
-        for modality, items in given.items():
-            if len(items) > self.max_items[modality]:
-                raise ValueError(f"{where}.multi_modal_data: got {len(items)} {modality}s; expected at most "
-                                 f"limit_mm_per_prompt['{modality}'] = {self.max_items[modality]}")
+        self.check_item_counts(where, {m: len(items) for m, items in given.items()})
         wheres = {m: [f"{where}.multi_modal_data.{m}[{i}]" for i in range(len(items))] for m, items in given.items()}
         reps = {m: [self._replacement(at, m, item, kwargs) for at, item in zip(wheres[m], items)]
                 for m, items in given.items()}

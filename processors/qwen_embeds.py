@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from mmkit.processors.mm_kwargs import integer_table
 
 from mmkit.multimodal.hashing import embeds_content_hash
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.processors.mm_kwargs import integer_table
 
 _FIELDS = ("image_grid_thw",)
 

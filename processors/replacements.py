@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
-from mmkit.models.interfaces import PlaceholderRange
+from mmkit.multimodal.inputs import PlaceholderRange
 
 # Processor outputs that are not per-item metadata (pixels and the tokenized text).
 _NOT_METADATA_PREFIXES = ("pixel_", "input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from mmkit.processors.mm_kwargs import integer_table
+from mmkit.processors.replacements import Replacement, count_tokens
+from mmkit.processors.spans import SpanItem
 
 from mmkit.multimodal.hashing import embeds_content_hash
 from mmkit.multimodal.items import check_image_size
 from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.processors.mm_kwargs import integer_table
-from mmkit.processors.replacements import Replacement, count_tokens
-from mmkit.processors.spans import SpanItem
 
 _FIELDS = ("image_sizes",)
 

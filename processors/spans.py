@@ -17,8 +17,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mmkit.multimodal.items import ImageItem
 from mmkit.processors.replacements import check_placeholder_counts
+
+from mmkit.multimodal.items import ImageItem
 
 
 @dataclass

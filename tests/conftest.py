@@ -20,12 +20,26 @@ import torch
 from PIL import Image
 
 torch.set_num_threads(int(os.environ.get("MMKIT_TEST_THREADS", "2")))
+# float32 parity on CUDA is exact only without TF32 matmuls (transformers' CPU reference has none).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 sys.path.insert(0, str(Path(__file__).parent))
 
 from mmkit.testing import build_tiny_llava, rewrite_hub_layout  # noqa: E402
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU"))]
+# Every CUDA-only test carries the `cuda` marker (`pytest -m cuda` selects them on a GPU machine;
+# pytest_collection_modifyitems below skips them with a reason where there is none).
+CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked cuda)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

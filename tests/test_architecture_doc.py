@@ -126,3 +126,23 @@ def test_the_worked_example_runs(my_vlm, tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"inputs\[0\]\.multi_modal_data: got a 'video'; "
                                          r"MyVLMForConditionalGeneration takes images only"):
         llm.generate({"prompt": "x", "multi_modal_data": {"video": [make_image(1)] * 2}}, params, use_tqdm=False)
+
+
+def test_each_request_field_has_the_one_writer_the_doc_names():
+    """docs/architecture.md's "Who writes each field of a request": every assignment to a listed
+    field (`x.field = ...`, `+=`, `.append(...)`, ...) lies in its listed module, or in
+    engine/sequence.py's own methods, as far as a grep can tell."""
+    import subprocess
+
+    table = _section("### Who writes each field of a request")
+    rows = re.findall(r"^\| `\w+\.(\w+)` \| (.+) \|$", table, re.M)
+    assert {field for field, _ in rows} == {"num_computed_tokens", "status", "block_hashes", "encoder_keys",
+                                            "image_hashes"}
+    files = subprocess.run(["git", "ls-files", "mmkit", "models", "processors"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    sources = {f: (ROOT / f).read_text() for f in files if f.endswith(".py")}
+    for field, owners in rows:
+        allowed = set(re.findall(r"`([\w/]+\.py)`", owners)) | {"mmkit/engine/sequence.py"}
+        write = re.compile(rf"(?<!self)\.{field}\s*(\+|-)?=(?!=)|\.{field}\.(append|extend|clear|pop|insert)\(")
+        writers = {f for f, text in sources.items() if write.search(text)}
+        assert writers <= allowed, (field, sorted(writers - allowed))

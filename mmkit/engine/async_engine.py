@@ -109,7 +109,7 @@ class AsyncLLMEngine:
         return self._dead is not None
 
     async def generate(self, inputs: Any, sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Add one request and yield its progress; the last output has `finished=True`.
 
         Leaving the loop early or cancelling the task aborts the request.
@@ -127,7 +127,7 @@ class AsyncLLMEngine:
             # this caller only and the event loop never runs the processor.
             try:
                 processed, params = await self._worker.run(
-                    lambda: self.engine.process_request(request_id, parsed, sampling_params))
+                    lambda: self.engine.process_request(request_id, parsed, sampling_params, lora_request))
             except BaseException:
                 finished = True
                 if self._streams.get(request_id) is stream:
@@ -172,6 +172,18 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put_nowait(EngineDeadError("the engine was shut down"))
         self._streams.clear()
+
+    async def add_lora(self, lora_request: Any) -> None:
+        """Load and check an adapter (vLLM's name) on the engine's thread, between steps;
+        ValueError naming the cause."""
+        self._check_alive()
+        self._ensure_loop()
+        await self._worker.run(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_alive()
+        self._ensure_loop()
+        return await self._worker.run(lambda: self.engine.remove_lora(lora_int_id))
 
     async def get_metrics(self) -> dict[str, int]:
         if self._worker is None or not self.is_running:

@@ -40,5 +40,7 @@ def update_block_hashes(seq, block_size: int) -> None:
             image_hashes = group.get_image_hashes()
             extra = tuple((image_hashes[j], max(start, off) - off)
                           for j, (off, length) in enumerate(ranges) if off < end and start < off + length)
-        parent = hashes[-1] if hashes else None
+        # A chain computed under a LoRA adapter starts from the adapter's tag (never shared with B).
+        lora = getattr(group.processed, "lora_request", None)
+        parent = hashes[-1] if hashes else (lora.cache_tag() if lora is not None else None)
         hashes.append(block_hash(parent, seq.token_ids[start:end], extra))

@@ -130,8 +130,9 @@ class BlockManager:
         fresh = blocks_needed(end, self.block_size) - len(hits)
         return revived + fresh <= self.num_free_blocks
 
-    def use_cached_prefix(self, seq: Sequence, hits: list[int], num_queried: int) -> None:
-        """Give `seq` the cached blocks and mark their tokens computed."""
+    def use_cached_prefix(self, seq: Sequence, hits: list[int], num_queried: int) -> int:
+        """Give `seq` the cached blocks; returns how many of its tokens they hold (the
+        scheduler, which owns the sequence, marks them computed)."""
         self.num_cache_queries += num_queried
         self.num_cache_hits += len(hits) * self.block_size
         for block_id in hits:
@@ -141,7 +142,7 @@ class BlockManager:
         if hits:
             self.req_to_blocks[seq.seq_id] = list(hits)
             self._num_registered[seq.seq_id] = len(hits)  # published already
-        seq.num_computed_tokens = len(hits) * self.block_size
+        return len(hits) * self.block_size
 
     def register_full_blocks(self, seq: Sequence, num_computed: int) -> list[int]:
         """Publish the hashes of `seq`'s blocks that are full once `num_computed` tokens are.

@@ -15,8 +15,10 @@ from mmkit.engine.scheduler_output import EncoderInput
 
 
 class EncoderScheduler:
-    def __init__(self, cache: EncoderCacheManager, row_bytes: int, max_tokens_per_step: int) -> None:
+    def __init__(self, cache: EncoderCacheManager, row_bytes: int, max_tokens_per_step: int,
+                 lora_tower: bool = False) -> None:
         self.cache = cache
+        self.lora_tower = lora_tower  # LoRA on the tower/projector: keys name the request's adapter
         self.row_bytes = row_bytes  # bytes of one embedding row (hidden * dtype)
         self.max_tokens_per_step = max_tokens_per_step
         self.budget = max_tokens_per_step
@@ -30,6 +32,9 @@ class EncoderScheduler:
         if group.encoder_keys is None:
             if self.cache.enabled:
                 group.encoder_keys = list(group.get_image_hashes())
+                lora = getattr(group.processed, "lora_request", None)
+                if self.lora_tower and lora is not None:  # embeddings computed under that adapter
+                    group.encoder_keys = [f"{k}@lora{lora.lora_int_id}" for k in group.encoder_keys]
             else:
                 group.encoder_keys = [f"{group.request_id}/{i}" for i in range(len(group.processed.placeholder_ranges))]
         return group.encoder_keys
@@ -64,7 +69,8 @@ class EncoderScheduler:
             given = embeds[i] if embeds is not None else None  # None: an item mmkit encodes
             inputs.append(EncoderInput(
                 group.request_id, keys[i],
-                group.processed.images[i] if given is None else None, given, length))
+                group.processed.images[i] if given is None else None, given, length,
+                getattr(group.processed, "lora_request", None) if self.lora_tower else None))
         return num_new
 
     def release_computed(self, seq: Sequence) -> None:

@@ -10,6 +10,7 @@ cannot be processed) ends alone with its error (`take_request_errors`), the othe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.output_processor import OutputProcessor
 from mmkit.engine.scheduler import Scheduler
+from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.engine.state_cache_manager import StateCacheManager
 from mmkit.engine.sequence import SequenceGroup, SequenceStatus
 from mmkit.errors import RequestError
@@ -58,7 +60,7 @@ class LLMEngine:
         # The input stage: the items' processor work (on the prefetcher's workers), read by the
         # scheduler (admission) and the runner (model inputs); both get it here, at construction.
         self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
-        self.model_runner = ModelRunner(config, self.input_stage)
+        self.model_runner = ModelRunner(config, self.input_processor)
         spec = config.model.state_spec  # a hybrid decoder's per-request state (None: KV only)
         self.state_cache_manager = None if spec is None else StateCacheManager(
             config.scheduler.max_num_seqs, spec.bytes_per_slot(config.model.dtype))
@@ -98,9 +100,10 @@ class LLMEngine:
         return self.scheduler.requests
 
     # ------------------------------------------------------------------ requests
-    def process_request(self, request_id: str, parsed: ParsedPrompt,
-                        params: SamplingParams | None) -> tuple[ProcessedPrompt, SamplingParams]:
-        """Everything that can reject a request, without changing any engine state."""
+    def process_request(self, request_id: str, parsed: ParsedPrompt, params: SamplingParams | None,
+                        lora_request: Any = None) -> tuple[ProcessedPrompt, SamplingParams]:
+        """Everything that can reject a request, without changing any engine state (a LoRA
+        adapter is read into the adapter cache, which serves every later request)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: got {type(request_id).__name__}; expected str")
         if request_id in self.scheduler.requests:
@@ -109,11 +112,17 @@ class LLMEngine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
+        if lora_request is not None:
+            from mmkit.lora.engine_checks import check_lora_request
+
+            check_lora_request(self, request_id, parsed.index, lora_request)
         if params.n > 1 and self.state_cache_manager is not None:
             raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): sampling_params.n={params.n}; "
                              f"{self.config.model.architecture} keeps a per-request state that forks do not "
                              f"copy, so expected n=1 (send the prompt n times with different seeds)")
         processed = self.process_inputs(parsed)
+        if lora_request is not None:
+            processed = dataclasses.replace(processed, lora_request=lora_request)
         self._check_fits(request_id, parsed.index, len(processed.prompt_token_ids))
         if params.structured_outputs is not None:
             try:  # compiled (and cached) now, so a grammar this tokenizer cannot serve fails here
@@ -161,14 +170,16 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, inputs: Any = None, params: SamplingParams | None = None,
-                    *, prompt: Any = None, prompt_token_ids: Any = None, multi_modal_data: Any = None) -> None:
-        """Validate and queue one request (`inputs`: a prompt string or dict)."""
+                    *, prompt: Any = None, prompt_token_ids: Any = None, multi_modal_data: Any = None,
+                    lora_request: Any = None) -> None:
+        """Validate and queue one request (`inputs`: a prompt string or dict; `lora_request`: a
+        `mmkit.LoRARequest` on an engine built with `enable_lora=True`)."""
         if prompt is not None or prompt_token_ids is not None or multi_modal_data is not None:
             inputs = legacy_single_input(inputs, prompt, prompt_token_ids, multi_modal_data, "add_request")
         if inputs is None:
             raise ValueError("inputs: missing; expected a prompt string or dict")
         parsed = parse_prompt(0, inputs)
-        processed, params = self.process_request(request_id, parsed, params)
+        processed, params = self.process_request(request_id, parsed, params, lora_request)
         self.add_processed(request_id, processed, params)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
@@ -181,6 +192,17 @@ class LLMEngine:
                                           params, final_only)
         self.scheduler.add_request(group)
         self.input_stage.add_request(request_id, processed.images, processed.image_embeds)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load and check an adapter before any request names it (vLLM's `add_lora`)."""
+        from mmkit.lora.engine_checks import check_lora_request
+
+        check_lora_request(self, "add_lora", 0, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the cache (a running request naming it loads it again)."""
+        manager = self.model_runner.lora_manager
+        return manager.remove(lora_int_id) if manager is not None else False
 
     def _seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is not None:
@@ -199,6 +221,36 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def has_unfinished_request(self, request_id: str) -> bool:
+        """Whether the engine still holds `request_id` (added, not yet finished or aborted)."""
+        return request_id in self.scheduler.requests
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting): requests with a sequence in the running set, and the rest."""
+        requests = len(self.scheduler.requests)
+        running = len({seq.group.request_id for seq in list(self.scheduler.running)})
+        return running, max(requests - running, 0)
+
+    # ------------------------------------------------------------------ what callers may ask
+    # Entry points (LLM.chat, the server, eval, Ray rows, lmms-eval) ask these instead of
+    # reaching into `input_processor`: the processor is the engine's to own.
+    def chat_processor(self) -> Any:
+        """What renders a chat template: the checkpoint's HF processor, else its tokenizer."""
+        return self.input_processor.hf_processor or self.tokenizer
+
+    @property
+    def supported_modalities(self) -> tuple[str, ...]:
+        """The modalities this model's processor accepts ("image", "video")."""
+        return supported_modalities(self.input_processor)
+
+    @property
+    def has_video_processor(self) -> bool:
+        """Whether the processor can take a video (its HF video processor is loaded)."""
+        return getattr(self.input_processor, "video_processor", None) is not None
+
     def take_request_errors(self) -> dict[str, BaseException]:
         """Requests that ended with an error since the last call (their final outputs, with
         finish_reason "abort", came from `step`)."""
@@ -209,6 +261,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, post-process; outputs of requests that progressed
         (of final-only requests: only when they finish)."""
+        if self.input_stage.prefetches:
+            # An idle engine: the requests it will likely admit get all their images started
+            # at once and prepared side by side; this thread waits for them (their content
+            # hashes too) here, so the scheduler never blocks on the stage.
+            self.input_stage.prepare_now(self.scheduler.likely_admitted())
         sched = self.scheduler.schedule()
         touched: dict[str, SequenceGroup] = {}
         for seq in self.scheduler.take_finished_while_scheduling():  # out of KV cache
@@ -219,6 +276,7 @@ class LLMEngine:
             for new in sched.new_seqs:
                 self.output_processor.record_scheduled(new.request_id, now)
             try:
+                sched = self._with_mm_features(sched)
                 result = self.model_runner.execute_model(sched)
             except RequestError as exc:  # belongs to some requests: they end, the rest go on
                 self.scheduler.step_failed(sched)
@@ -228,6 +286,22 @@ class LLMEngine:
                 raise
             self._postprocess(sched, result, touched)
         return self._outputs(touched)
+
+    def _with_mm_features(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step's items with their model inputs from the input stage (vLLM's
+        `mm_features`); an item whose processing failed fails its request alone."""
+        if not any(e.item is not None for e in sched.encoder_inputs):
+            return sched
+        stage, inputs = self.input_stage, []
+        for e in sched.encoder_inputs:
+            if e.item is not None:
+                try:
+                    e = dataclasses.replace(e, mm_kwargs=stage.mm_item_inputs(e.request_id, e.item))
+                except Exception as exc:  # noqa: BLE001 - attributed to the one request
+                    raise RequestError([e.request_id],
+                                       f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            inputs.append(e)
+        return dataclasses.replace(sched, encoder_inputs=tuple(inputs))
 
     def _postprocess(self, sched, result, touched: dict[str, SequenceGroup]) -> None:
         out = result.sampler_output

@@ -72,12 +72,6 @@ class PreprocessTracker(Protocol):
     def is_ready(self, request_id: str) -> bool:
         """Every image of the request is prepared (or never was the tracker's)."""
 
-    def start_now(self, request_ids: list[str]) -> None:
-        """Start preparing these requests' images at once, past any lookahead."""
-
-    def wait(self, request_id: str) -> None:
-        """Block until the request's started images are prepared (content hashes included)."""
-
     def requeue(self, request_id: str) -> None:
         """A preempted request: prepare its images again if they were freed (it is re-admitted
         only once they are ready, as a new waiting request is)."""
@@ -95,7 +89,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.encoder = EncoderScheduler(self.encoder_cache, encoder_row_bytes,
-                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens)
+                                        config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                        lora_tower=config.lora_tower)
         self.requests: dict[str, SequenceGroup] = {}  # every unfinished request
         # Ordered sets: a finished, aborted or preempted sequence leaves in O(1).
         self._waiting = SeqQueue()
@@ -228,6 +223,7 @@ class Scheduler:
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
             bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks,
+            lora_request=getattr(processed, "lora_request", None),
             state_slot=self.state_cache.allocate(seq.seq_id) if self.state_cache is not None else -1)
 
     def _make_room(self, seq: Sequence, num_new: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
@@ -290,27 +286,24 @@ class Scheduler:
         return hits if limit is None else hits[:limit]
 
     def _admit_waiting(self, plan: StepPlan, token_budget: int) -> int:
-        # NOTE: while running requests fill the step, a waiting request whose images are
-        # still being prepared waits (the forward pass never waits for PIL). With nothing
-        # running the step waits anyway: the requests it will likely admit get all their
-        # images started at once, so they are prepared side by side, and the step waits for
-        # every one of them (the engine thread waits for the workers' content hashes). So a
+        # NOTE: a waiting request whose images are still being prepared waits (the forward
+        # pass never waits for PIL), and the scheduler never blocks on the input stage. With
+        # nothing running, the engine (which owns the stage) has already waited for the
+        # requests this step will likely admit (`likely_admitted`, before `schedule`), so a
         # batch given to an idle engine is admitted as the synchronous path admits it,
         # whatever the workers' speed: one prefill for all, and the same preemptions on any
         # host. Arrival order is kept.
-        idle = token_budget == self.config.max_num_batched_tokens
-        started: set[str] = set()
-        if idle and self.preprocess is not None:
-            likely = self._likely_admitted(token_budget)
-            self.preprocess.start_now(likely)
-            started = set(likely)
+        # LoRA: a step holds at most max_loras adapters (the model's slots); a request whose
+        # adapter would be one more waits (FCFS: those behind it wait too).
+        loras = {s.group.processed.lora_request.lora_int_id for s in self.running
+                 if getattr(s.group.processed, "lora_request", None) is not None} if self.config.max_loras else set()
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora = getattr(seq.group.processed, "lora_request", None)
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                break
             if self.preprocess is not None and not self.preprocess.is_ready(seq.group.request_id):
-                if seq.group.request_id not in started:
-                    break
-                # The workers are on it: the engine thread would only compete for the cores.
-                self.preprocess.wait(seq.group.request_id)
+                break
             hits = self._cached_prefix(seq)
             start = len(hits) * self.block_manager.block_size
             num_new = seq.num_tokens_whole_spans(start, min(seq.num_tokens - start, token_budget))
@@ -321,17 +314,24 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching:
-                self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
+                seq.num_computed_tokens = self.block_manager.use_cached_prefix(seq, hits, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             self._allocate(seq, num_new, plan)
             token_budget -= num_new
         return token_budget
 
-    def _likely_admitted(self, token_budget: int) -> list[str]:
-        """The waiting requests an idle step would admit, by prompt length (cache hits aside)."""
-        ids, room = [], self.config.max_num_seqs - len(self.running)
+    def likely_admitted(self) -> list[str]:
+        """With nothing running: the waiting requests the next step would likely admit, by
+        prompt length (cache hits aside), so the engine can have their images prepared side
+        by side before it schedules. Running requests: none (they fill the step first)."""
+        if self.running:
+            return []
+        token_budget = self.config.max_num_batched_tokens
+        ids, room = [], self.config.max_num_seqs
         for seq in self.waiting:
             if token_budget <= 0 or len(ids) >= room:
                 break

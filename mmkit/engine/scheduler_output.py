@@ -15,6 +15,7 @@ is a sequence (one of a request's `n` samples), named by `seq_id`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 import torch
 
 from mmkit.multimodal.items import ImageItem
@@ -30,6 +31,10 @@ class EncoderInput:
     item: ImageItem | None  # a raw image: the processor builds its model inputs
     embeds: torch.Tensor | None  # or embeddings given by the user, [num_tokens, hidden]
     num_tokens: int  # rows expected (the item's placeholder range length)
+    lora_request: Any = None  # the adapter the tower runs under (tower LoRA only)
+    # The item's model inputs (vLLM's `mm_features`), attached by the engine from its input
+    # stage after scheduling: the runner reads them here and never asks the stage itself.
+    mm_kwargs: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class NewSeqData:
     # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their
     # first tokens come from this sequence's last prompt row (see engine/sequence.py).
     pending_forks: tuple[tuple[int, int], ...] = ()
+    lora_request: Any = None  # mmkit.lora.LoRARequest or None
     state_slot: int = -1  # a hybrid decoder's per-request state slot (engine/state_cache_manager.py)
 
 

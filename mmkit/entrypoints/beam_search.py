@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from mmkit.engine.block_manager import blocks_needed
-from mmkit.engine.request_driver import RequestDriver
+from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive, given
 from mmkit.outputs import PositionLogprobs, RequestOutput
 from mmkit.processors import ProcessedPrompt
 from mmkit.sampling_params import SamplingParams
@@ -179,19 +179,18 @@ def _run_step(engine, beams: list[tuple[ProcessedPrompt, BeamSearchSequence]], s
               new_request_id: Callable[[], str]) -> list[RequestOutput]:
     """One token for every live beam (one request each), in the order given."""
     ids = [new_request_id() for _ in beams]
-    driver = RequestDriver(engine)
     results: dict[str, RequestOutput] = {}
-    try:
-        for rid, (processed, beam) in zip(ids, beams):
-            driver.add(rid, dataclasses.replace(processed, prompt_token_ids=list(beam.tokens)), step_params)
-        for step in driver.run():
-            if step.errors:
-                rid, exc = next(iter(step.errors.items()))
-                index = beams[ids.index(rid)][0].index
-                raise RuntimeError(f"beam search: inputs[{index}] (request {rid!r}) failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            results.update((o.request_id, o) for o in step.finished)
-    except BaseException:
-        driver.abort_all()
-        raise
+
+    def on_error(rid: str, exc: BaseException) -> None:  # all-or-nothing: one failed beam ends the search
+        index = beams[ids.index(rid)][0].index
+        raise RuntimeError(f"beam search: inputs[{index}] (request {rid!r}) failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+    def on_output(out: RequestOutput) -> None:
+        results[out.request_id] = out
+
+    admissions = [(rid, given((dataclasses.replace(processed, prompt_token_ids=list(beam.tokens)), step_params)))
+                  for rid, (processed, beam) in zip(ids, beams)]
+    drive(RequestDriver(engine), admissions, policy=ErrorPolicy.ALL_OR_NOTHING,
+          on_output=on_output, on_error=on_error)
     return [results[rid] for rid in ids]

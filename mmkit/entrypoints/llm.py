@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from mmkit.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, check_beams_fit, run_beam_search
-from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
-from mmkit.engine.request_driver import RequestDriver
+from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive
+from mmkit.entrypoints.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_beams_fit,
+    run_beam_search,
+)
+from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.errors import RequestFailedError
+from mmkit.lora.engine_checks import lora_request_list
 from mmkit.multimodal.legacy import legacy_to_inputs
 from mmkit.multimodal.media_fetch import MediaConnector
-from mmkit.multimodal import supported_modalities
 from mmkit.multimodal.parse import PromptInputs, parse_inputs
 from mmkit.outputs import RequestOutput
 from mmkit.sampling_params import SamplingParams
@@ -49,6 +55,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         prompts: Any = None,
         prompt: Any = None,
         prompt_token_ids: Any = None,
@@ -65,6 +72,9 @@ class LLM:
         If some prompts fail after admission (an image that cannot be decoded), the others
         still complete and `mmkit.RequestFailedError` is raised: its `.outputs` holds every
         output in input order (None for the failed prompts) and `.failed` the errors by index.
+
+        `lora_request`: a `mmkit.LoRARequest` for every input, or a list with one entry (or None,
+        the base model) per input; the engine needs `enable_lora=True`.
         """
         if prompts is not None and prompt is not None:
             raise ValueError("LLM.generate: got both prompts= and prompt=; pass `inputs`")
@@ -78,7 +88,7 @@ class LLM:
             raise ValueError("LLM.generate: inputs: missing; expected a prompt string, dict or a list of them")
         parsed = parse_inputs(inputs, self.llm_engine.input_stage.map)
         params_list = self._params_list(sampling_params, len(parsed))
-        return self._run(parsed, params_list, use_tqdm)
+        return self._run(parsed, params_list, use_tqdm, lora_request_list(lora_request, len(parsed)))
 
     def chat(
         self,
@@ -88,6 +98,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations.
 
@@ -103,11 +114,11 @@ class LLM:
         `allowed_media_domains`, `image_fetch_timeout`, `max_image_fetch_bytes`, `max_image_pixels`;
         docs/serving.md "Media fetching"); a refusal is a `ValueError` naming the part and the limit.
         """
-        processor = self.llm_engine.input_processor.hf_processor or self.get_tokenizer()
-        allow_video = "video" in supported_modalities(self.llm_engine.input_processor)
+        processor = self.llm_engine.chat_processor()
+        allow_video = "video" in self.llm_engine.supported_modalities
         inputs = conversations_to_inputs(processor, messages, chat_template, add_generation_prompt, allow_video,
                                          media=self.media_connector)
-        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(inputs, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -158,22 +169,15 @@ class LLM:
             return list(sampling_params)
         raise TypeError(f"sampling_params: got {type(sampling_params).__name__}; expected SamplingParams or a list")
 
-    def _run(self, parsed, params_list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, parsed, params_list, use_tqdm: bool, lora_requests=None) -> list[RequestOutput]:
         engine = self.llm_engine
-        # Validate everything before adding anything: a bad input leaves no request behind.
         ids = [str(next(self._request_counter)) for _ in parsed]
-        ready = [engine.process_request(rid, p, sp) for rid, p, sp in zip(ids, parsed, params_list)]
+        lora_requests = lora_requests or [None] * len(parsed)
         results: dict[str, RequestOutput] = {}
         errors: dict[str, BaseException] = {}
-        driver = RequestDriver(engine)
-        try:
-            for rid, (processed, params) in zip(ids, ready):
-                driver.add(rid, processed, params, final_only=True)
-            self._drive(driver, results, errors, use_tqdm)
-        except BaseException:
-            # Includes KeyboardInterrupt: the engine must not keep half a batch.
-            driver.abort_all()
-            raise
+        admissions = [(rid, functools.partial(engine.process_request, rid, p, sp, lr))
+                      for rid, p, sp, lr in zip(ids, parsed, params_list, lora_requests)]
+        self._drive(RequestDriver(engine), admissions, results, errors, use_tqdm)
         if errors:
             index = {rid: i for i, rid in enumerate(ids)}
             failed = {index[rid]: exc for rid, exc in errors.items()}
@@ -183,22 +187,29 @@ class LLM:
         return [results[rid] for rid in ids]
 
     @staticmethod
-    def _drive(driver: RequestDriver, results: dict[str, RequestOutput], errors: dict[str, BaseException],
-               use_tqdm: bool) -> None:
-        bar = tqdm(total=len(driver), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+    def _drive(driver: RequestDriver, admissions, results: dict[str, RequestOutput],
+               errors: dict[str, BaseException], use_tqdm: bool) -> None:
+        """All-or-nothing (`ErrorPolicy.ALL_OR_NOTHING`): every input validated before any is
+        added; a request that fails alone is collected in `errors` and raised after the run."""
+        bar = tqdm(total=len(admissions), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         num_in = num_out = 0
+
+        def on_error(rid: str, exc: BaseException) -> None:
+            errors[rid] = exc
+            bar.update(1)
+
+        def on_output(out: RequestOutput) -> None:
+            nonlocal num_in, num_out
+            results[out.request_id] = out
+            num_in += len(out.prompt_token_ids)
+            num_out += sum(len(c.token_ids) for c in out.outputs)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, "
+                                f"output: {num_out / elapsed:.1f} toks/s", refresh=False)
+            bar.update(1)
+
         try:
-            for step in driver.run():
-                errors.update(step.errors)
-                bar.update(len(step.errors))
-                for out in step.finished:
-                    results[out.request_id] = out
-                    num_in += len(out.prompt_token_ids)
-                    num_out += sum(len(c.token_ids) for c in out.outputs)
-                    elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, "
-                                        f"output: {num_out / elapsed:.1f} toks/s", refresh=False)
-                    bar.update(1)
+            drive(driver, admissions, policy=ErrorPolicy.ALL_OR_NOTHING, on_output=on_output, on_error=on_error)
         finally:
             bar.close()

@@ -8,6 +8,7 @@ file skips the finished ones. The summary goes to its own JSON file beside it.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import string
@@ -265,7 +266,8 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
     Images are loaded as items are admitted (at most `max_in_flight` at once), so memory stays
     bounded; an item whose image cannot be loaded is recorded with its error and skipped.
     """
-    from mmkit.engine.request_driver import RequestDriver
+    from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive
+    from mmkit.errors import error_message
     from mmkit.eval.progress import progress_bar
     from mmkit.multimodal.parse import parse_prompt
 
@@ -273,46 +275,30 @@ def run_evaluation(llm, items: list[EvalItem], results: ResultsFile, build_input
         results.drop({i for i, r in results.records.items() if r.get("error") is not None})
     todo = [it for it in items if it.index not in results.records]
     engine = llm.llm_engine
-    driver = RequestDriver(engine)  # the one request driver and failure policy
-    window = max_in_flight or max(2 * engine.config.scheduler.max_num_seqs, 64)
-    in_flight: dict[str, EvalItem] = {}
-    queue = iter(todo)
-    exhausted = False
+    by_id = {f"eval-{it.index}": it for it in todo}
+
+    def prepare(item: EvalItem):
+        return engine.process_request(f"eval-{item.index}", parse_prompt(item.index, build_inputs(item)),
+                                      params_for(item, params))
+
+    def on_error(rid: str, exc: BaseException) -> None:
+        results.write(make_record(by_id[rid], None, error_message(exc)))
+        bar.update(1)
+
+    def on_output(out) -> None:
+        item = by_id[out.request_id]
+        text = out.outputs[0].text
+        results.write(make_record(item, text.removeprefix(" ") if item.choices else text.strip(), None))
+        bar.update(1)
+
     start = time.perf_counter()
     bar = progress_bar(len(todo), "Evaluating", "item", disable=not show_progress)
-    try:
-        while in_flight or not exhausted:
-            while not exhausted and len(in_flight) < window:
-                item = next(queue, None)
-                if item is None:
-                    exhausted = True
-                    break
-                rid = f"eval-{item.index}"
-                try:
-                    parsed = parse_prompt(item.index, build_inputs(item))
-                    processed, sp = engine.process_request(rid, parsed, params_for(item, params))
-                except (ValueError, TypeError) as exc:
-                    results.write(make_record(item, None, str(exc)))
-                    bar.update(1)
-                    continue
-                driver.add(rid, processed, sp, final_only=True)
-                in_flight[rid] = item
-            if not in_flight:
-                continue
-            step = driver.step()
-            for rid, exc in step.errors.items():
-                item = in_flight.pop(rid)
-                results.write(make_record(item, None, str(exc)))
-                bar.update(1)
-            for out in step.finished:
-                item = in_flight.pop(out.request_id)
-                text = out.outputs[0].text
-                results.write(make_record(item, text.removeprefix(" ") if item.choices else text.strip(), None))
-                bar.update(1)
-    except BaseException:
-        driver.abort_all()
-        raise
+    try:  # per item: a bad item or an engine error is recorded on the items it hit; the rest run
+        drive(RequestDriver(engine), ((rid, functools.partial(prepare, it)) for rid, it in by_id.items()),
+              policy=ErrorPolicy.PER_ITEM, window=max_in_flight or max(2 * engine.config.scheduler.max_num_seqs, 64),
+              on_output=on_output, on_error=on_error)
     finally:
         bar.close()
         results.close()
     return summarize(results.records.values(), time.perf_counter() - start)
+

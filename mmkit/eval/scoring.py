@@ -38,9 +38,9 @@ def score_continuations(llm, requests: list[ScoreRequest], *, chat_template: str
     """`(-sum log p, is_greedy)` of each request's continuation, in input order
     (`chat_template`: instead of the checkpoint's)."""
     engine = llm.llm_engine
-    processor = engine.input_processor.hf_processor or llm.get_tokenizer()
+    processor = engine.chat_processor()
     tokenizer = llm.get_tokenizer()
-    allow_video = getattr(engine.input_processor, "video_processor", None) is not None
+    allow_video = engine.has_video_processor
     inputs, params, counts = [], [], []
     for i, req in enumerate(requests):
         if not req.continuation:

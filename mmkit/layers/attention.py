@@ -24,17 +24,17 @@ Attention variants, per layer (a family only declares them; see `mmkit/layers/sl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels
 
 # `MMKIT_PAGED_PREFILL=0` keeps one SDPA call per prefill chunk on CPU (A/B measurements).
-_PAGED_PREFILL = os.environ.get("MMKIT_PAGED_PREFILL", "1") != "0"
+_PAGED_PREFILL = envs.MMKIT_PAGED_PREFILL
 # Chunks with longer contexts keep SDPA: the kernel's per-thread scratch (the tile's context
 # in float32, three copies) grows with the context. Up to here it was measured ahead of SDPA:
 # 0.26-0.48x its time from 64 to 8192 keys, 2 threads, bf16 and float32
@@ -143,6 +143,9 @@ class AttentionMetadata:
     decode_tables: list[list[int]] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
     decode_windows: dict[int, DecodeView] = field(default_factory=dict)
+    # Another backend's attention for this step (`attention_backend.attach_backend`): called as
+    # attend(q, k_cache, v_cache, scale, sliding_window) after the step's K/V are written.
+    attend: object = None
     # Every row of the step (decodes, then each prefill token) as one row of the paged kernel,
     # built at a global layer's first use in a step: [view] or [None] when it cannot serve.
     _rows_view: list = field(default_factory=list, repr=False)
@@ -244,6 +247,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns [num_tokens, num_heads, head_dim].
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.attend is not None:
+        return meta.attend(q, k_cache, v_cache, scale, sliding_window)
     nd = meta.num_decode_tokens
     if (meta.prefills and sliding_window is None and q.is_cpu and cpu_kernels.supports(q, k_cache)
             and _PAGED_PREFILL):

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from mmkit import envs
+
 _SOURCE_DIR = Path(__file__).with_name("csrc")
 # -fno-trapping-math: no kernel reads the FP exception flags, and without it gcc cannot
 # if-convert a float select (exp_clamped's clamp) on CPUs without AVX-512's masked ops, so on
@@ -63,26 +65,22 @@ _state: dict[str, object] = {}  # "lib": the loaded library, or None once known 
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("MMKIT_CPU_KERNELS", "1") != "0"
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
+    return envs.MMKIT_CPU_KERNELS
 
 
 def build_flags() -> tuple[str, ...]:
     flags = list(_BASE_FLAGS)
-    if not _env_on("MMKIT_KERNEL_GENERIC"):
+    if not envs.MMKIT_KERNEL_GENERIC:
         flags.insert(1, "-march=native")
-        if _env_on("MMKIT_KERNEL_NO_AVX512"):
+        if envs.MMKIT_KERNEL_NO_AVX512:
             flags.insert(2, "-mno-avx512f")  # turns off every AVX-512 subset with it
-    if _env_on("MMKIT_KERNEL_CHECKS"):
+    if envs.MMKIT_KERNEL_CHECKS:
         flags.append("-DMMKIT_KERNEL_CHECKS")
     return tuple(flags)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MMKIT_CACHE_DIR") or Path.home() / ".cache" / "mmkit"
+    root = envs.MMKIT_CACHE_DIR or Path.home() / ".cache" / "mmkit"
     return Path(root) / "kernels"
 
 
@@ -192,7 +190,7 @@ def library() -> ctypes.CDLL | None:
                     try:
                         lib = _load()
                     except Exception as exc:  # noqa: BLE001 - any failure means: use torch
-                        if _env_on("MMKIT_REQUIRE_CPU_KERNELS"):
+                        if envs.MMKIT_REQUIRE_CPU_KERNELS:
                             raise RuntimeError(f"mmkit: the CPU kernels failed to build or load ({exc}) and "
                                                "MMKIT_REQUIRE_CPU_KERNELS=1 forbids the torch fallback") from exc
                         warnings.warn(f"mmkit: the CPU kernels are unavailable ({exc}); "

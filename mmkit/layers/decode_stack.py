@@ -26,10 +26,10 @@ Anything else returns None and the modules run as before. `MMKIT_DECODE_STACK=0`
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from mmkit import envs
 from mmkit.layers import attention, cpu_kernels, fused_f32, quant_panels
 from mmkit.layers.attention import AttentionMetadata, _decode_view, _rows_view
 from mmkit.layers.norms import RMSNorm
@@ -44,9 +44,14 @@ KEEP_WORK_BYTES = 128 << 20
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("bt", _PTR), ("scales", _PTR), ("slot_mask", _PTR), ("bounds", _PTR),
+                ("num_slices", _I64), ("rank", _I64)]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("weights", _PTR), ("bias", _PTR), ("scales", _PTR), ("zeros", _PTR),
-                ("n", _I64), ("k", _I64), ("group_size", _I64), ("bits", _I64)]
+                ("n", _I64), ("k", _I64), ("group_size", _I64), ("bits", _I64), ("lora", _PTR)]
 
 
 class _Layer(ctypes.Structure):
@@ -60,16 +65,31 @@ class _Step(ctypes.Structure):
                 ("max_blocks", _I64), ("quant_direct_max_rows", _I64),
                 ("positions", _PTR), ("slot_mapping", _PTR), ("block_ids", _PTR), ("context_lens", _PTR),
                 ("context_starts", _PTR), ("tiles", _PTR), ("num_tiles", _I64), ("cos", _PTR), ("signed_sin", _PTR),
-                ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT)]
+                ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT), ("lora_slots", _PTR)]
 
 
 def enabled() -> bool:
-    return os.environ.get("MMKIT_DECODE_STACK", "1") != "0"
+    return envs.MMKIT_DECODE_STACK
 
 
 def _linear_record(mod: torch.nn.Module, dtype: torch.dtype) -> tuple[_Linear, int | None, tuple] | None:
     """(record, rows above which the module leaves the panels or None, tensors to keep alive)."""
     from mmkit.models.llama import Linear  # noqa: PLC0415 - models/ imports mmkit.layers, not the reverse
+    lora_keep = None
+    if hasattr(mod, "lora_record"):  # mmkit/lora/layers.py: the base projection plus its LoRA slots
+        lora_keep = mod.lora_record(_Lora)
+        if lora_keep is None:
+            return None
+        mod = mod.base
+    got = _base_linear_record(mod, dtype, Linear)
+    if got is None or lora_keep is None:
+        return got
+    rec, rows, alive = got
+    rec.lora = ctypes.addressof(lora_keep[0])
+    return rec, rows, (alive, lora_keep)
+
+
+def _base_linear_record(mod: torch.nn.Module, dtype: torch.dtype, Linear) -> tuple[_Linear, int | None, tuple] | None:
     bias = getattr(mod, "bias", None)
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
@@ -91,6 +111,8 @@ def _linear_record(mod: torch.nn.Module, dtype: torch.dtype) -> tuple[_Linear, i
 
 class DecodeStack:
     """The C records of one `LlamaModel`'s layers; `run` takes a decode step or returns None."""
+
+    lora_ctx = None  # mmkit.lora.layers.LoRAContext when the projections carry LoRA slots
 
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], keep: list, max_rows: int | None,
                  dtype: torch.dtype) -> None:
@@ -145,7 +167,11 @@ class DecodeStack:
             layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), None, None, *recs))
         if not model.norm.weight.is_contiguous():
             return None
-        return cls(model, layers, keep, max_rows, dtype)
+        stack = cls(model, layers, keep, max_rows, dtype)
+        # LoRA (mmkit/lora/): the step's row -> slot mapping, shared by the wrapped projections
+        first = model.layers[0].self_attn.qkv_proj
+        stack.lora_ctx = getattr(first, "ctx", None) if hasattr(first, "lora_record") else None
+        return stack
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
@@ -163,10 +189,18 @@ class DecodeStack:
             meta: AttentionMetadata) -> torch.Tensor | None:
         """The final norm's output [num_tokens, hidden] for a step the stack can take, else None."""
         tokens = embeds.shape[0]
+        if meta.attend is not None:  # another attention backend was chosen for this step
+            return None
         if (tokens == 0 or embeds.dtype is not self.dtype or embeds.dim() != 2 or not embeds.is_cpu
                 or not embeds.is_contiguous() or (self.max_rows is not None and tokens > self.max_rows)
                 or type(rope) is not StepRope or not rope.use_kernel or not self._bind_caches(kv_caches)):
             return None
+        lora_slots = None
+        ctx = self.lora_ctx
+        if ctx is not None and (ctx.runs or ctx.uniform is not None):
+            if ctx.uniform is not None or ctx.num_rows != tokens or ctx.row_slots is None:
+                return None
+            lora_slots = ctx.row_slots
         tiles = None
         if meta.prefills:
             # As paged_attention does for a global layer: every row (decodes first, then each
@@ -204,7 +238,7 @@ class DecodeStack:
                      block_ids.data_ptr(), lens.data_ptr(), starts.data_ptr() if starts is not None else None,
                      tiles.data_ptr() if tiles is not None else None, tiles.numel() - 1 if tiles is not None else 0,
                      tables.cos.data_ptr(), tables.signed_sin.data_ptr(), self.model.norm.eps, self.scale, code,
-                     torch.get_num_threads())
+                     torch.get_num_threads(), lora_slots.data_ptr() if lora_slots is not None else None)
         failed = _I64(-1)
         status = self._run(self.layers, len(self.layers), self.model.norm.weight.data_ptr(), embeds.data_ptr(),
                            out.data_ptr(), work.data_ptr(), ctypes.byref(step), ctypes.byref(failed))

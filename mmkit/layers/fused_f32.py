@@ -10,15 +10,14 @@ False when the kernel cannot run, and the caller then runs the torch ops.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels
 
 
 def enabled() -> bool:
-    return os.environ.get("MMKIT_FUSED_F32", "1") != "0"
+    return envs.MMKIT_FUSED_F32
 
 
 def _f32_rows(*tensors: torch.Tensor) -> bool:

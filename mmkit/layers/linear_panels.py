@@ -22,10 +22,9 @@ packed copy as well and uses the panels only for decode's few rows (`BF16_MAX_RO
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels
 
 PANEL = 32  # output rows per panel (two 16-float accumulators)
@@ -42,9 +41,9 @@ def _has_amx_bf16() -> bool:
 
 
 def _bf16_max_rows() -> int | None:
-    value = os.environ.get("MMKIT_PANEL_MAX_ROWS")
+    value = envs.MMKIT_PANEL_MAX_ROWS
     if value:
-        return int(value)
+        return value
     # On a CPU with AMX, oneDNN's bf16 matmul runs on the tiles: measured on a 2-core Xeon with
     # AMX (benchmarks/README.md, "Round 4d"), the panels take 0.63x oneDNN's time at 1 row and
     # 0.67x at 2, but 1.17x at 4, 8.6x at 128 and 12x at 2048 rows. There a bf16 `Linear` keeps
@@ -57,7 +56,7 @@ BF16_MAX_ROWS = _bf16_max_rows()
 
 
 def available() -> bool:
-    if os.environ.get("MMKIT_LINEAR_PANELS", "1") == "0":
+    if not envs.MMKIT_LINEAR_PANELS:
         return False
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.mmkit_panel_gemm_available())

@@ -22,12 +22,12 @@ cast float32 scales or float8 weights to the engine dtype.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmkit import envs
 from mmkit.layers import cpu_kernels, linear_panels, quant_panels
 from mmkit.layers.quant_pack import QuantizedWeight, concat_rows
 
@@ -136,7 +136,7 @@ class QuantizedLinear(nn.Module):
         the row-major copy. Returns whether it packed. MMKIT_QUANT_PANELS=0 keeps the row-major
         kernels (A/B)."""
         w = self._qweight
-        if (w is None or os.environ.get("MMKIT_QUANT_PANELS", "1") == "0" or not quant_panels.can_pack(w, dtype)
+        if (w is None or not envs.MMKIT_QUANT_PANELS or not quant_panels.can_pack(w, dtype)
                 or (self.bias is not None and self.bias.dtype != dtype)):
             return self.panels is not None
         self.panels = quant_panels.pack(w)

@@ -26,6 +26,8 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Tokens of the sequence so far: the counter of GpuSampler's hashed draws (gpu_sampler.py).
+    position: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence
 
-from mmkit.models.interfaces import MultiModalKwargs
+from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.items import MultiModalItem
 from mmkit.multimodal.prefetcher import MultiModalPrefetcher
 
@@ -96,6 +96,16 @@ class MultiModalInputStage:
     def start_now(self, request_ids: list[str]) -> None:
         if self.prefetcher is not None:
             self.prefetcher.start_now(request_ids)
+
+    def prepare_now(self, request_ids: list[str]) -> None:
+        """Start these requests' items at once (past any lookahead) and wait for them: the
+        engine's call before it schedules an idle step."""
+        if not request_ids or self.prefetcher is None:
+            return
+        self.start_now(request_ids)
+        for request_id in request_ids:
+            if not self.is_ready(request_id):
+                self.wait(request_id)
 
     def wait(self, request_id: str) -> None:
         if self.prefetcher is not None:

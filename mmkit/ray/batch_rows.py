@@ -14,8 +14,10 @@ Output columns: `generated_text`, `generated_tokens`, `finish_reason`, `num_inpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, TypedDict
 
+from mmkit.errors import error_message
 from mmkit.sampling_params import SamplingParams
 
 #: The columns every processed row gains (an input column with the same name is replaced).
@@ -175,54 +177,35 @@ def run_rows(llm, rows: list[dict[str, Any]], default_params: SamplingParams | N
     Rows are admitted `max_in_flight` at a time (default: all), so at most that many rows'
     images are decoded at once; the engine batches the admitted rows continuously.
     """
-    from mmkit.engine.request_driver import RequestDriver
+    from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive
     from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
-    driver = RequestDriver(engine)  # the one request driver and failure policy
-    processor = engine.input_processor.hf_processor or llm.get_tokenizer()
+    processor = engine.chat_processor()
     results: list[RowOutput | None] = [None] * len(rows)
-    pending: dict[str, int] = {}
-    window = max_in_flight or max(len(rows), 1)
-    next_row = 0
+    index: dict[str, int] = {}
 
-    def admit(i: int) -> None:
+    def prepare(i: int):
         rid, where = f"{request_prefix}-{i}", ""  # errors name the row's fields: "image[0]: ..."
-        try:
-            params = row_params(where, rows[i], default_params)
-            parsed = parse_prompt(i, row_inputs(where, rows[i], processor))
-            processed, params = engine.process_request(rid, parsed, params)
-        except Exception as exc:  # noqa: BLE001 - any failure of this row's input is this row's error
-            results[i] = error_output(_message(exc))
-            return
-        driver.add(rid, processed, params, final_only=True)  # only finished rows are read
-        pending[rid] = i
+        params = row_params(where, rows[i], default_params)
+        parsed = parse_prompt(i, row_inputs(where, rows[i], processor))
+        return engine.process_request(rid, parsed, params)
 
-    def fail(request_ids: list[str], exc: BaseException) -> None:
-        for rid in request_ids:
-            results[pending.pop(rid)] = error_output(_message(exc))
+    def admissions():
+        for i in range(len(rows)):
+            rid = f"{request_prefix}-{i}"
+            index[rid] = i
+            yield rid, functools.partial(prepare, i)
 
-    try:
-        while next_row < len(rows) or pending:
-            while next_row < len(rows) and len(pending) < window:
-                admit(next_row)
-                next_row += 1
-            if not pending:
-                continue
-            try:
-                step = driver.step()
-            except Exception as exc:  # noqa: BLE001 - the model call failed: the rows in flight carry it
-                driver.abort_all()  # a row's output column holds the engine error; later rows still run
-                fail(list(pending), exc)
-                continue
-            for rid, exc in step.errors.items():  # failed after admission (or lost): that row alone
-                fail([rid], exc)
-            for out in step.finished:
-                i = pending.pop(out.request_id)
-                results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)
-    except BaseException:
-        driver.abort_all()
-        raise
+    def on_error(rid: str, exc: BaseException) -> None:  # a bad row, or the engine error of a row in flight
+        results[index[rid]] = error_output(error_message(exc))
+
+    def on_output(out) -> None:
+        i = index[out.request_id]
+        results[i] = _ok_output(out, has_choices=rows[i].get("choices") is not None)
+
+    drive(RequestDriver(engine), admissions(), policy=ErrorPolicy.PER_ITEM, window=max_in_flight or max(len(rows), 1),
+          on_output=on_output, on_error=on_error)
     assert all(r is not None for r in results), "every row gets an output or an error"
     return results  # type: ignore[return-value]
 
@@ -233,12 +216,6 @@ def _ok_output(out, has_choices: bool = False) -> RowOutput:
     return RowOutput(generated_text=text, generated_tokens=list(completion.token_ids),
                      finish_reason=completion.finish_reason, num_input_tokens=len(out.prompt_token_ids),
                      num_generated_tokens=len(completion.token_ids), error=None)
-
-
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, (ValueError, TypeError)):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _plain(value: Any) -> Any:

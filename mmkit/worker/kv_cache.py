@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from mmkit import envs
 from mmkit.config import CacheConfig, ModelConfig
 from mmkit.layers.attention import kv_cache_shape
 
@@ -111,7 +111,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     numel = 1
     for n in shape:
         numel *= n
-    with _numpy_hugepages(os.environ.get("MMKIT_KV_HUGEPAGES", "0") == "1"):
+    with _numpy_hugepages(envs.MMKIT_KV_HUGEPAGES):
         storage = np.zeros(numel, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[elem])
     return torch.from_numpy(storage).view(dtype).view(shape)
 

@@ -34,7 +34,7 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(mc: ModelConfig) -> nn.Module:
     """The family's model for `mc`: weights loaded in `mc.dtype` on `mc.device`, in eval mode,
     `prepare_for_inference` done (packed weights, float32 rotary tables)."""
-    model_cls = ModelRegistry.resolve(mc.architecture)[0]
+    model_cls = ModelRegistry.resolve(mc.architecture, mc.model_impl)[0]
     max_positions = max(mc.max_model_len, getattr(mc.hf_config.get_text_config(), "max_position_embeddings", 0) or 0)
     with _default_dtype(torch.float32), torch.device(mc.device), meta_parameters():
         model = model_cls(mc.hf_config, max_positions)

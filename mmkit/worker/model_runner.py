@@ -9,22 +9,27 @@ the decoder forward on the paged cache, the LM head on the last positions and th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from mmkit.config import EngineConfig
 from mmkit.errors import RequestError
 from mmkit.layers.attention import AttentionMetadata, PrefillChunk, build_decode_metadata
+from mmkit.layers.attention_backend import attach_backend, select_attention_backend
+from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
-from mmkit.multimodal.stage import MultiModalInputStage
 from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
                                      placeholder_slices, uses_mrope)
 from mmkit.worker.block_table import BlockTables
+from mmkit.worker.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from mmkit.worker.encoder_cache import EncoderCache
 from mmkit.worker.kv_cache import allocate_kv_caches, num_blocks_for
+from mmkit.worker.memory_profiler import needs_profile, profiled_num_blocks
 from mmkit.worker.model_loader import load_model
 from mmkit.worker.seq_state import CachedSeqState, Chunk, SamplerHook
+from mmkit.lora.runner_steps import begin_step, encode_per_adapter, lora_id, rows_of
 from mmkit.worker.state_cache import StateBatch, StateCache
 
 
@@ -40,29 +45,49 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, input_stage: MultiModalInputStage) -> None:
+    def __init__(self, config: EngineConfig, input_processor: Any = None) -> None:
         self.config = config
         mc = config.model
         self.device = mc.device
         self.dtype = mc.dtype
         self.block_size = config.cache.block_size
-        self.input_stage = input_stage  # where an item's model inputs come from
+        # The family's processor, for the CUDA memory profile's dummy images only: a step's
+        # item inputs arrive in its scheduler output (`EncoderInput.mm_kwargs`).
+        self.input_processor = input_processor
         self.model = load_model(mc)
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
         self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
-        self.num_blocks = num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size,
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend,
+                                                          config.cache.block_size)
+        self.memory_profile = None  # CUDA: the profiling run's figures (worker/memory_profiler.py)
+        self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
+                           else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
+        graphs = uses_decode_graphs(config, self.attention_backend, self)
+        # Blocks in the cache tensors: the null block too when decode graphs pad with it.
+        self.num_cache_blocks = self.num_blocks + int(graphs)
+        self.kv_caches = allocate_kv_caches(mc, self.num_cache_blocks, self.block_size,
                                             preallocate=config.cache.kv_cache_preallocate)
         # A hybrid decoder's per-request state: one slot per sequence that can run.
         self.state_cache = (StateCache(mc.state_spec, config.scheduler.max_num_seqs, self.dtype, self.device)
                             if mc.state_spec is not None else None)
-        self.sampler = Sampler()
+        self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
         self.sampler_hooks: list[SamplerHook] = []  # sampler-side features (see seq_state.py)
+        self.lora_manager = None  # mmkit/lora/: adapter slots and the step's row -> slot mapping
+        if config.lora is not None:
+            from mmkit.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, config.lora, self.dtype, self.device)
         self._init_batch_state()
+        # CUDA graphs for decode steps; with LoRA or a hybrid decoder's state every step runs
+        # eagerly (a captured graph holds no per-row adapter deltas nor state-slot gathers).
+        self.decode_graphs = (DecodeGraphs(self) if graphs and self.lora_manager is None
+                             and self.state_cache is None else None)
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture()
 
     def _init_batch_state(self) -> None:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
@@ -81,15 +106,21 @@ class ModelRunner:
         for seq_id, num_new in sched.num_scheduled_tokens.items():
             state = self.states[seq_id]
             chunks.append(Chunk(state, state.num_computed_tokens, state.num_computed_tokens + num_new))
-        order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
-        input_ids, positions, slots, meta = self._prepare(order)
-        if self.state_cache is not None:
-            meta.state_batch = self._state_batch(order)
-        if self.uses_mrope:
-            positions = self._mrope_positions(order)
-        embeds = self.model.embed_tokens(input_ids)
-        embeds = self._merge_multimodal(order, embeds)
-        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        if self.lora_manager is None:
+            order = sorted(chunks, key=lambda c: c.num_new_tokens > 1)
+        else:  # rows of one adapter next to each other (one delta matmul per adapter and layer)
+            order = sorted(chunks, key=lambda c: (c.num_new_tokens > 1, lora_id(c.state)))
+            begin_step(self.lora_manager, [c.state for c in order], [c.num_new_tokens for c in order])
+        hidden = self.decode_graphs.try_run(order) if self.decode_graphs is not None else None
+        if hidden is None:  # eager: every step on CPU, and prefill (or too large) steps on CUDA
+            input_ids, positions, slots, meta = self._prepare(order)
+            if self.state_cache is not None:
+                meta.state_batch = self._state_batch(order)
+            if self.uses_mrope:
+                positions = self._mrope_positions(order)
+            embeds = self.model.embed_tokens(input_ids)
+            embeds = self._merge_multimodal(order, embeds)
+            hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
         sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
         row = 0
@@ -102,7 +133,8 @@ class ModelRunner:
                 first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
                 if first < c.end:
                     lo = row + first - c.start
-                    prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
+                    with rows_of(self.lora_manager, [state] * (row + c.num_new_tokens - lo)):
+                        prompt_lp[state.seq_id] = (first, self._chunk_logprobs(hidden[lo:row + c.num_new_tokens]))
             row += c.num_new_tokens
             state.num_computed_tokens = c.end
             if not c.samples:
@@ -115,7 +147,8 @@ class ModelRunner:
             row_states.extend([state] * copies)
         if not sampled:
             return ModelRunnerOutput([], None, [], prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        with rows_of(self.lora_manager, row_states):
+            logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         # NOTE: hooks act only on sequences that hold sampler state (e.g. a grammar matcher);
         # a step without any keeps the model-dtype logits and skips the [rows, vocab] copy,
         # even after a hook was registered by an earlier constrained request.
@@ -151,7 +184,7 @@ class ModelRunner:
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
                 bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks),
-                state_slot=d.state_slot)
+                lora_request=d.lora_request, state_slot=d.state_slot)
             tables.set_table(d.seq_id, d.block_ids)
             if self.state_cache is not None:
                 self._start_state(d)
@@ -165,6 +198,8 @@ class ModelRunner:
             for index, block_id in c.replaced_blocks:
                 state.block_table[index] = block_id
                 tables.replace(c.seq_id, index, block_id)
+            if c.replaced_blocks and self.decode_graphs is not None:
+                self.decode_graphs.buffers.invalidate(c.seq_id)
             state.block_table.extend(c.new_block_ids)
             tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
@@ -200,12 +235,13 @@ class ModelRunner:
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
-        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids)]
+        position = len(state.token_ids)
+        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids, position)]
         # Pending forks (n > 1) draw their first token from the same logits row, each with
         # its own generator, kept for when the fork arrives as a new sequence.
         for child_id, seed in state.pending_forks:
             generator = self._fork_generators[child_id] = self._make_generator(seed)
-            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids))
+            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids, position))
         return rows
 
     # ------------------------------------------------------------------ batch preparation
@@ -224,7 +260,9 @@ class ModelRunner:
             state = c.state
             table = state.block_table
             start, end = c.start, c.end
-            if end - start == 1:
+            # NOTE: one token inside a bidirectional span (a prefix-cache hit up to the prompt's
+            # last token) is a prefill chunk: its query must see the whole span.
+            if end - start == 1 and not any(lo <= start < lo + n for lo, n in state.bidirectional_ranges):
                 ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -244,6 +282,7 @@ class ModelRunner:
             # Each decode's live blocks, gathered from the persistent rows (no per-step flattening).
             block_ids = self.block_tables.gather(decode_seq_ids, [-(-n // bs) for n in decode_lens])
             build_decode_metadata(meta, decode_tables, decode_lens, bs, dev, block_ids)
+        attach_backend(meta, self.attention_backend, self.num_cache_blocks)
         return _to_device(ids, dev), _to_device(positions, dev), meta.slot_mapping, meta
 
     # ------------------------------------------------------------------ multimodal items
@@ -263,13 +302,14 @@ class ModelRunner:
             if e.embeds is not None:  # given by the user: no vision tower
                 fresh[e.key] = e.embeds.to(self.device, self.dtype)
                 continue
-            try:
-                inputs = self.input_stage.mm_item_inputs(e.request_id, e.item)
-            except Exception as exc:  # noqa: BLE001 - attributed to the one request
-                raise RequestError([e.request_id], f"request {e.request_id!r}: image processing failed: {exc}") from exc
+            inputs = e.mm_kwargs  # attached by the engine (vLLM's mm_features)
             to_encode.append(e)
             item_inputs.append({k: v.to(self.device) for k, v in inputs.items()})
-        if item_inputs:
+        if item_inputs and self.lora_manager is not None and self.config.scheduler.lora_tower:
+            embeds = encode_per_adapter(self.lora_manager, self.model, to_encode, item_inputs)
+            self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)
+            fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))
+        elif item_inputs:
             embeds = self.model.embed_multimodal(item_inputs)  # one [num_tokens_i, hidden] per item
             self.num_vision_calls += sum(1 for i in item_inputs if "image_embeds" not in i)  # given rows: no tower
             fresh.update((e.key, emb) for e, emb in zip(to_encode, embeds))

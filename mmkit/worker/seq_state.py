@@ -32,6 +32,7 @@ class CachedSeqState:
     mrope_position_delta: int = 0
     bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans of the prompt
     pending_forks: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, seed)
+    lora_request: Any = None  # mmkit.lora.LoRARequest or None (the base model)
     state_slot: int = -1  # a hybrid decoder's state slot (worker/state_cache.py); -1: none
     # Per-sequence objects of sampler-side features (e.g. a grammar matcher), by feature name;
     # kept when the state is rebuilt (after a preemption or a failed step), dropped with it.

@@ -57,8 +57,8 @@ def test_prefix_cache_hit_gives_the_cached_blocks():
     update_block_hashes(second, 2)
     hits = bm.find_cached_prefix(second)
     assert hits == published
-    bm.use_cached_prefix(second, hits, second.num_tokens)
-    assert bm.get_block_ids(second) == tuple(hits) and second.num_computed_tokens == 4
+    computed = bm.use_cached_prefix(second, hits, second.num_tokens)
+    assert bm.get_block_ids(second) == tuple(hits) and computed == 4
     assert bm.num_cache_hits == 4 and all(bm.ref_counts[b] == 2 for b in hits)
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from mmkit.engine.llm_engine import StepResult
-from mmkit.engine.request_driver import LostRequestError, RequestDriver
+from mmkit.engine.request_driver import ErrorPolicy, LostRequestError, RequestDriver, drive
 from mmkit.errors import RequestFailedError
 from mmkit.sampling_params import SamplingParams
 
@@ -26,6 +26,12 @@ class ScriptedEngine:
         self.script = list(script)
         self.scheduler = SimpleNamespace(requests={})
         self.added, self.aborted, self.final_only = [], [], {}
+
+    def has_unfinished_request(self, rid):
+        return rid in self.scheduler.requests
+
+    def get_num_unfinished_requests(self):
+        return len(self.scheduler.requests)
 
     def add_processed(self, rid, processed, params, *, final_only=False):
         self.scheduler.requests[rid] = processed
@@ -85,6 +91,84 @@ def test_an_engine_error_propagates_and_leaving_run_aborts_the_rest():
     for _ in driver.run():
         break  # the caller leaves early (an exception, Ctrl-C)
     assert sorted(engine.aborted) == ["a", "b"] and not engine.scheduler.requests
+
+
+def _admissions(ids, bad=()):
+    def prepare(rid):
+        if rid in bad:
+            raise ValueError(f"inputs: {rid} is bad")
+        return rid, SamplingParams()
+    return [(rid, lambda rid=rid: prepare(rid)) for rid in ids]
+
+
+def _collect():
+    got = {"out": [], "err": {}}
+    return got, got["out"].append, lambda rid, exc: got["err"].__setitem__(rid, exc)
+
+
+def test_all_or_nothing_validates_every_input_before_adding_any():
+    engine = ScriptedEngine([])
+    got, on_output, on_error = _collect()
+    with pytest.raises(ValueError, match="c is bad"):
+        drive(RequestDriver(engine), _admissions("abcd", bad="c"), policy=ErrorPolicy.ALL_OR_NOTHING,
+              on_output=on_output, on_error=on_error)
+    assert engine.added == [] and got == {"out": [], "err": {}}
+
+
+def test_all_or_nothing_aborts_the_call_and_raises_an_engine_error():
+    engine = ScriptedEngine([([_out("a", True)], {}, []), RuntimeError("model call failed")])
+    got, on_output, on_error = _collect()
+    with pytest.raises(RuntimeError, match="model call failed"):
+        drive(RequestDriver(engine), _admissions("abc"), policy=ErrorPolicy.ALL_OR_NOTHING,
+              on_output=on_output, on_error=on_error)
+    assert [o.request_id for o in got["out"]] == ["a"] and sorted(engine.aborted) == ["b", "c"]
+    assert not engine.scheduler.requests
+
+
+def test_per_item_records_bad_inputs_and_engine_errors_and_goes_on():
+    failure, crash = ValueError("broken image"), RuntimeError("model call failed")
+    engine = ScriptedEngine([
+        ([_out("a", True)], {"c": failure}, []),  # window 3: a, c, d admitted (b was bad)
+        crash,  # d, e, f in flight (e and f admitted after a and c ended) get the engine error
+        ([_out("g", True)], {}, []),  # the run goes on with the rest
+    ])
+    got, on_output, on_error = _collect()
+    drive(RequestDriver(engine), _admissions("abcdefg", bad="b"), policy=ErrorPolicy.PER_ITEM, window=3,
+          on_output=on_output, on_error=on_error)
+    assert [o.request_id for o in got["out"]] == ["a", "g"]
+    assert "b is bad" in str(got["err"]["b"]) and got["err"]["c"] is failure
+    assert all(got["err"][rid] is crash for rid in "def")
+    assert engine.added == list("acdefg") and sorted(engine.aborted) == list("def")
+
+
+def test_per_item_window_bounds_requests_in_flight():
+    engine = ScriptedEngine([([_out(r, True)], {}, []) for r in "abcde"])
+    seen = []
+    original = engine.add_processed
+
+    def add(rid, *args, **kwargs):
+        original(rid, *args, **kwargs)
+        seen.append(len(engine.scheduler.requests))
+
+    engine.add_processed = add
+    got, on_output, on_error = _collect()
+    drive(RequestDriver(engine), _admissions("abcde"), policy=ErrorPolicy.PER_ITEM, window=2,
+          on_output=on_output, on_error=on_error)
+    assert max(seen) == 2 and [o.request_id for o in got["out"]] == list("abcde")
+
+
+def test_a_callback_that_raises_aborts_what_is_left():
+    engine = ScriptedEngine([([_out("a", True)], {}, [])])
+    with pytest.raises(KeyError):
+        drive(RequestDriver(engine), _admissions("abc"), policy=ErrorPolicy.PER_ITEM,
+              on_output=lambda out: {}["stop"], on_error=lambda rid, exc: None)
+    assert sorted(engine.aborted) == ["b", "c"] and not engine.scheduler.requests
+
+
+def test_dead_engine_is_not_a_drive_policy():
+    with pytest.raises(ValueError, match="DEAD_ENGINE is the async engine's own loop"):
+        drive(RequestDriver(ScriptedEngine([])), [], policy=ErrorPolicy.DEAD_ENGINE,
+              on_output=print, on_error=print)
 
 
 def _lose_request(monkeypatch, engine, rid: str):

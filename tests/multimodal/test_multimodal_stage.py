@@ -9,6 +9,7 @@ import threading
 from PIL import Image
 
 from conftest import get_llm, hf_greedy, make_image
+from mmkit.engine.scheduler import PreprocessTracker
 from mmkit import LLM, SamplingParams
 from mmkit.multimodal import ImageItem, MultiModalItem
 from mmkit.multimodal.stage import MultiModalInputStage
@@ -43,12 +44,15 @@ def test_the_stage_is_wired_at_construction(tiny_ckpt):
     on = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=2)
     engine = on.llm_engine
     assert isinstance(engine.input_stage, MultiModalInputStage)
-    assert engine.model_runner.input_stage is engine.input_stage
+    # The engine alone owns the stage: the scheduler sees readiness through PreprocessTracker
+    # (is_ready / requeue: nothing that blocks) and the runner gets item inputs in the step.
+    assert not hasattr(engine.model_runner, "input_stage") and not hasattr(engine.model_runner, "mm_item_inputs")
     assert engine.scheduler.preprocess is engine.input_stage and engine.prefetcher is engine.input_stage.prefetcher
-    assert not hasattr(engine.model_runner, "mm_item_inputs")  # no hook to patch
+    assert {"is_ready", "requeue"} <= set(PreprocessTracker.__dict__)
+    assert not {"wait", "start_now"} & set(PreprocessTracker.__dict__)
     off = get_llm(tiny_ckpt, async_preprocess=False).llm_engine
     assert off.prefetcher is None and off.scheduler.preprocess is None
-    assert off.model_runner.input_stage is off.input_stage
+    assert not hasattr(off.model_runner, "input_stage")
 
 
 def test_with_prefetching_the_processor_runs_on_the_workers_only(tiny_ckpt):
@@ -144,3 +148,24 @@ def test_a_preempted_request_gets_its_items_from_the_workers_again(tiny_ckpt, mo
     assert calls.in_step == [] and llm.llm_engine.prefetcher.num_inline == 0
     assert not llm.llm_engine.prefetcher._live and not llm.llm_engine.input_stage._items
     _check_greedy(outs, batch, params, tiny_ckpt)
+
+
+def test_a_step_carries_its_items_model_inputs(tiny_ckpt, monkeypatch):
+    """vLLM's mm_features: each encoded item's inputs travel in the scheduler output, attached by
+    the engine; the runner encodes exactly what it was given."""
+    from mmkit import SamplingParams
+
+    llm = get_llm(tiny_ckpt, async_preprocess=False)
+    engine = llm.llm_engine
+    seen = []
+    original = engine.model_runner.execute_model
+
+    def execute(sched):
+        seen.extend((e.request_id, e.mm_kwargs) for e in sched.encoder_inputs)
+        return original(sched)
+
+    monkeypatch.setattr(engine.model_runner, "execute_model", execute)
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    llm.generate([{"prompt": prompt, "multi_modal_data": {"image": make_image(5)}}],
+                 SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(seen) == 1 and set(seen[0][1]) == {"pixel_values"} and seen[0][1]["pixel_values"].dim() == 4

@@ -16,38 +16,44 @@ def generate_in_order(llm, inputs: list[Any], params, on_output: Callable[[int, 
     Unlike `LLM.generate`, nothing waits for the whole batch, so an interrupted run has printed
     every answer finished before it. Every input is validated before any is added.
     """
-    from mmkit.engine.request_driver import RequestDriver
+    import functools
+
+    from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive
     from mmkit.errors import RequestFailedError
     from mmkit.eval.progress import progress_bar
     from mmkit.multimodal.parse import parse_prompt
 
     engine = llm.llm_engine
     ids = [f"cli-{i}" for i in range(len(inputs))]
-    ready = [engine.process_request(rid, parse_prompt(i, inp), params) for i, (rid, inp) in enumerate(zip(ids, inputs))]
+    admissions = [(rid, functools.partial(engine.process_request, rid, parse_prompt(i, inp), params))
+                  for i, (rid, inp) in enumerate(zip(ids, inputs))]
     index = {rid: i for i, rid in enumerate(ids)}
     done: dict[int, Any] = {}
     failed: dict[int, BaseException] = {}
     next_shown = 0
-    driver = RequestDriver(engine)  # the one request driver and failure policy
+
+    def show_ready() -> None:
+        nonlocal next_shown
+        while next_shown in done:
+            if done[next_shown] is not None:
+                on_output(next_shown, done[next_shown])
+            next_shown += 1
+
+    def on_error(rid: str, exc: BaseException) -> None:
+        failed[index[rid]] = exc
+        done[index[rid]] = None
+        bar.update(1)
+        show_ready()
+
+    def on_finished(out) -> None:
+        done[index[out.request_id]] = out
+        bar.update(1)
+        show_ready()
+
     bar = progress_bar(len(ids), "Captioning", "image", disable=not show_progress)
-    try:
-        for rid, (processed, sp) in zip(ids, ready):
-            driver.add(rid, processed, sp, final_only=True)
-        for step in driver.run():
-            for rid, exc in step.errors.items():
-                failed[index[rid]] = exc
-                done[index[rid]] = None
-                bar.update(1)
-            for out in step.finished:
-                done[index[out.request_id]] = out
-                bar.update(1)
-            while next_shown in done:
-                if done[next_shown] is not None:
-                    on_output(next_shown, done[next_shown])
-                next_shown += 1
-    except BaseException:
-        driver.abort_all()
-        raise
+    try:  # all-or-nothing, as LLM.generate: every input validated before any is added
+        drive(RequestDriver(engine), admissions, policy=ErrorPolicy.ALL_OR_NOTHING,
+              on_output=on_finished, on_error=on_error)
     finally:
         bar.close()
     if failed:

@@ -33,12 +33,23 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model-impl", default="auto", choices=["auto", "mmkit", "transformers"],
+                   help="which implementation runs the model: auto (native when mmkit has it, else the transformers backend), mmkit, or transformers (transformers' own modules on mmkit's engine)")
+    _gpu_flags(g)
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, reproducible (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
                                                             "whose probabilities add up to P (default 1: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _gpu_flags(g) -> None:
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flex", "flashinfer", "flash_attn"],
+                   help="kernels that read the paged KV cache (default auto: flex on CUDA, torch on CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +119,8 @@ def _make_llm(args):
         torch.set_num_threads(args.threads)
     from mmkit import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+              model_impl=args.model_impl, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
     print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -133,7 +145,7 @@ def question_inputs(llm, image, question: str) -> dict:
     """A user turn with the image then the question, rendered with the model's chat template."""
     from mmkit.entrypoints.chat_utils import conversations_to_inputs
 
-    processor = llm.llm_engine.input_processor.hf_processor or llm.get_tokenizer()
+    processor = llm.llm_engine.chat_processor()
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
     return conversations_to_inputs(processor, messages)[0]
 
@@ -305,7 +317,8 @@ def cmd_eval_ray(args, params) -> int:
         summary = run_ray_evaluation(
             data, results, model=args.model, sampling_params=params,
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
-                         "quantization": args.quantization},
+                         "quantization": args.quantization, "model_impl": args.model_impl,
+                         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
             max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)

@@ -54,8 +54,8 @@ class MMKit(lmms):
         from mmkit.entrypoints.chat_utils import conversations_to_inputs
 
         engine = self.llm.llm_engine
-        processor = engine.input_processor.hf_processor or self.llm.get_tokenizer()
-        allow_video = getattr(engine.input_processor, "video_processor", None) is not None
+        processor = engine.chat_processor()
+        allow_video = engine.has_video_processor
         return conversations_to_inputs(processor, user_turn(images, videos, context), self.chat_template,
                                        allow_video=allow_video)[0]
 

@@ -69,8 +69,12 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         root = engine.engine.config.model.path
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=config.max_model_len)
-                               for name in config.served_model_names])
+        cards = [ModelCard(id=name, root=root, max_model_len=config.max_model_len)
+                 for name in config.served_model_names]
+        if config.lora is not None:  # adapters beside the base model (vLLM lists them so)
+            cards += [ModelCard(id=name, root=r.lora_path, parent=config.model_name, max_model_len=config.max_model_len)
+                      for name, r in config.lora.requests.items()]
+        return ModelList(data=cards)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
@@ -101,6 +105,10 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, enable_ui: bool 
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if config.lora is not None:
+        from mmkit.entrypoints.openai.serving_lora import add_lora_routes
+
+        add_lora_routes(app, engine, config)
     ui = ui_dir or UI_DIR
     if enable_ui and (ui / "index.html").is_file():
         from fastapi.staticfiles import StaticFiles
@@ -235,9 +243,16 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         num_kv_blocks=args.num_gpu_blocks_override, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, tokenizer=args.tokenizer,
         quantization=getattr(args, "quantization", None),
-        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False))
+        model_impl=getattr(args, "model_impl", "auto"),
+        kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False),
+        enforce_eager=getattr(args, "enforce_eager", False),
+        attention_backend=getattr(args, "attention_backend", "auto"))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
+    if getattr(args, "enable_lora", False):
+        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras,
+                      enable_tower_connector_lora=args.enable_tower_connector_lora)
     return kwargs
 
 
@@ -282,6 +297,23 @@ def server_config(engine: AsyncLLMEngine, *, model: str | None, served_model_nam
                         allowed_origins=split_flag_values(allowed_origins), default_sampling=default_sampling)
 
 
+def with_lora_modules(engine: AsyncLLMEngine, config: ServerConfig, lora_modules: list[str] | None) -> ServerConfig:
+    """`config` serving the adapters of `--lora-modules` (each loaded and checked now: a bad
+    one fails the start with its cause)."""
+    import dataclasses
+
+    from mmkit.entrypoints.openai.serving_lora import LoRARegistry, parse_lora_modules
+
+    registry = LoRARegistry()
+    for name, path in parse_lora_modules(lora_modules):
+        if name in registry.requests or name in config.served_model_names:
+            raise ValueError(f"--lora-modules: the name {name!r} is used twice")
+        request = registry.new_request(name, path)
+        engine.engine.add_lora(request)
+        registry.requests[name] = request
+    return dataclasses.replace(config, lora=registry)
+
+
 def run_server(args: Any) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; returns the exit status (0)."""
     import torch
@@ -304,6 +336,10 @@ def run_server(args: Any) -> int:
     config = server_config(engine, model=args.model, served_model_name=args.served_model_name, media=media,
                            chat_template=chat_template, api_key=args.api_key, allowed_origins=args.allowed_origins,
                            generation_config=args.generation_config, announce=True)
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules: needs --enable-lora")
+    if getattr(args, "enable_lora", False):
+        config = with_lora_modules(engine, config, getattr(args, "lora_modules", None))
     names = config.served_model_names
     app = create_app(engine, config, enable_ui=args.enable_ui)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

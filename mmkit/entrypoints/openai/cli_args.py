@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from mmkit import envs
 
 
 def _limit_mm(value: str) -> dict[str, int]:
@@ -27,6 +28,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="online weight-only quantization of the decoder's linear layers (a compressed-tensors checkpoint is detected without it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--model-impl", default="auto", choices=["auto", "mmkit", "transformers"],
+                   help="which implementation runs the model: auto (native when mmkit has it, else the transformers backend), mmkit, or transformers (transformers' own modules on mmkit's engine)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together (default 256)")
     g.add_argument("--limit-mm-per-prompt", type=_limit_mm, default=None, metavar="JSON",
@@ -38,6 +41,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-preallocate", action="store_true",
                    help="CPU: commit the whole KV cache's memory at start-up, as vLLM's CPU backend does "
                         "(no page faults while serving; resident memory is the whole cache from the start)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "flex", "flashinfer", "flash_attn"],
+                   help="kernels that read the paged KV cache (default auto: flex on CUDA, torch on CPU)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="exact number of KV cache blocks (CPU or GPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
@@ -50,11 +58,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request leaves unset: 'auto' = the checkpoint's "
                         "generation_config.json, 'vllm' = none (temperature 1, ...), or a folder holding one")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) per request")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters served by name: `model: NAME` in a request selects one (needs --enable-lora)")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters in one engine step (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default --max-loras)")
+    g.add_argument("--enable-tower-connector-lora", action="store_true",
+                   help="adapters may change the vision tower and projector too")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    g.add_argument("--api-key", default=os.environ.get("MMKIT_API_KEY"),
+    g.add_argument("--api-key", default=envs.MMKIT_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health (env MMKIT_API_KEY)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="image_url may name local files (paths or file://) under DIR only (default: none)")

@@ -28,14 +28,6 @@ _COUNTERS = {
 }
 
 
-def request_counts(llm_engine) -> tuple[int, int]:
-    """(running, waiting) requests: running ones have a sequence in the scheduler's running set."""
-    groups = list(llm_engine.groups)  # copied: the engine thread may change it meanwhile
-    running_seqs = list(getattr(llm_engine.scheduler, "running", ()))
-    running = len({seq.group.request_id for seq in running_seqs})
-    return running, max(len(groups) - running, 0)
-
-
 class _EngineCollector(Collector):
     def __init__(self, async_engine) -> None:
         self.async_engine = async_engine
@@ -43,7 +35,7 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         llm_engine = self.async_engine.engine
         stats = llm_engine.get_metrics()
-        running, waiting = request_counts(llm_engine)
+        running, waiting = llm_engine.get_request_counts()
         waiting += len(getattr(self.async_engine, "_pending_adds", ()))  # accepted, not yet in the engine
         yield GaugeMetricFamily("mmkit:num_requests_running", "Requests being decoded or prefilled.", running)
         yield GaugeMetricFamily("mmkit:num_requests_waiting", "Requests waiting to be scheduled.", waiting)

@@ -206,6 +206,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "mmkit"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: Optional[int] = None
 
 

@@ -29,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
     """Turns one chat request into one engine request (with `n` sequences)."""
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Any = None):
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         timer = RequestTimer(self.metrics)
         top_logprobs = self._logprobs_k(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -38,7 +38,7 @@ class OpenAIServingChat(OpenAIServing):
         # Images are decoded (and maybe downloaded) off the event loop.
         inputs = await asyncio.to_thread(self._render, request)
         request_id = random_id("chatcmpl")
-        first, stream = await self.start(inputs, params, request_id, param="messages")
+        first, stream = await self.start(inputs, params, request_id, param="messages", lora_request=lora)
         timer.on_output(first)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
     def _render(self, request: ChatCompletionRequest) -> dict[str, Any]:
         """Messages -> one `generate` input (prompt text + images), as `LLM.chat` builds it."""
         messages = [self._load_images(m, message) for m, message in enumerate(request.messages)]
-        processor = self.engine.engine.input_processor.hf_processor or self.tokenizer
+        processor = self.engine.engine.chat_processor()
         try:
             return conversations_to_inputs(processor, messages, self.config.chat_template,
                                            request.add_generation_prompt)[0]

@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Turns one completion request into one engine request per prompt."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Any = None):
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         timer = RequestTimer(self.metrics)
         k = request.logprobs
         if k is not None and not (0 <= k <= MAX_COMPLETION_LOGPROBS):
@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, request.max_tokens, k)
         inputs = prompts_to_inputs(request.prompt)
         request_id = random_id("cmpl")
-        started = await self._start_all(inputs, params, request_id)
+        started = await self._start_all(inputs, params, request_id, lora)
         echoes = [self._echo_text(o) if request.echo else "" for o, _ in started]
         for first, _ in started:
             timer.on_output(first)
@@ -74,12 +74,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=self.usage(finals))
         return JSONResponse(body.model_dump())
 
-    async def _start_all(self, inputs: list[dict], params: SamplingParams, request_id: str
+    async def _start_all(self, inputs: list[dict], params: SamplingParams, request_id: str, lora_request=None
                          ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Start one request per prompt, all at once (validated together, prefilled together);
         if any prompt is bad, the others are aborted and the first bad one is the 400."""
         ids = [request_id if len(inputs) == 1 else f"{request_id}-{i}" for i in range(len(inputs))]
-        results = await asyncio.gather(*(self.start(item, params, rid) for item, rid in zip(inputs, ids)),
+        results = await asyncio.gather(*(self.start(item, params, rid, lora_request=lora_request)
+                                         for item, rid in zip(inputs, ids)),
                                        return_exceptions=True)
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if not failed:

@@ -41,6 +41,8 @@ class ServerConfig:
     # Sampling defaults for fields a request leaves unset (the checkpoint's generation_config.json,
     # as `vllm serve --generation-config auto` does), e.g. {"temperature": 0.7}.
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
+    # LoRA adapters served by name (mmkit/entrypoints/openai/serving_lora.py), None without LoRA.
+    lora: Any = None
 
     @property
     def model_name(self) -> str:
@@ -105,10 +107,16 @@ class OpenAIServing:
     def tokenizer(self):
         return self.engine.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> Any:
+        """The `LoRARequest` a model name selects (None: the base model); 404 for an unknown name."""
         if model is not None and model not in self.config.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist. Served: {list(self.config.served_model_names)}",
+            lora = self.config.lora.get(model) if self.config.lora is not None else None
+            if lora is not None:
+                return lora
+            served = list(self.config.served_model_names) + (self.config.lora.names() if self.config.lora else [])
+            raise OpenAIError(f"The model `{model}` does not exist. Served: {served}",
                               404, param="model", code="model_not_found")
+        return None
 
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
@@ -138,15 +146,16 @@ class OpenAIServing:
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from exc
 
-    async def start(self, inputs: Any, params: SamplingParams, request_id: str, param: str | None = None
-                    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    async def start(self, inputs: Any, params: SamplingParams, request_id: str, param: str | None = None,
+                    lora_request: Any = None) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Add one request and wait for its first output.
 
         Input checks (prompt too long, too many images, a bad image) raise before or at the
         first output, so they become a 400 before a response (or a stream) has begun. With
         `param`, an error the engine names `inputs[0]...` names that request field instead.
         """
-        stream = self.engine.generate(inputs, params, request_id)
+        stream = self.engine.generate(inputs, params, request_id, **(
+            {"lora_request": lora_request} if lora_request is not None else {}))
         try:
             first = await stream.__anext__()
         except StopAsyncIteration as exc:  # aborted (shutdown) before the first output

@@ -45,14 +45,14 @@ class OpenAIServingResponses(OpenAIServing):
     """Turns one Responses request into one engine request (one answer)."""
 
     async def create_response(self, request: ResponsesRequest, raw_request: Any = None):
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         _check_stateless(request)
         timer = RequestTimer(self.metrics)
         params = self._sampling_params(request)
         # Images are decoded (and maybe downloaded) off the event loop.
         inputs = await asyncio.to_thread(self._render, request)
         response_id = new_id("resp")
-        first, stream = await self.start(inputs, params, response_id, param="input")
+        first, stream = await self.start(inputs, params, response_id, param="input", lora_request=lora)
         timer.on_output(first)
         shell = self._shell(request, params, response_id)
         if request.stream:
@@ -80,7 +80,7 @@ class OpenAIServingResponses(OpenAIServing):
     def _render(self, request: ResponsesRequest) -> dict[str, Any]:
         """`instructions` + `input` -> one `generate` input (prompt text + images), as `LLM.chat` builds it."""
         messages = self._messages(request)
-        processor = self.engine.engine.input_processor.hf_processor or self.tokenizer
+        processor = self.engine.engine.chat_processor()
         try:
             return conversations_to_inputs(processor, messages, self.config.chat_template, True)[0]
         except (ValueError, TypeError) as exc:

@@ -40,7 +40,8 @@ export async function getModels(apiKey) {
   }
   if (!response.ok) return { ok: false, status: response.status, message: await errorMessage(response) };
   const body = await response.json();
-  return { ok: true, card: body.data && body.data.length ? body.data[0] : null };
+  const cards = Array.isArray(body.data) ? body.data : [];
+  return { ok: true, card: cards.length ? cards[0] : null, cards };
 }
 
 // Calls onChunk(object) for each `data:` event of a server-sent-events response until [DONE].

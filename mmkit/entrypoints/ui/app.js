@@ -120,6 +120,28 @@ function unauthorized(sentKey, serverMessage) {
   showError(keyMessage(sentKey, serverMessage));
 }
 
+// ---- the model picker: the base model and its LoRA adapters (cards with a `parent`) -----
+function showModelPicker(cards) {
+  const picker = $("model-picker");
+  const label = $("model-picker-label");
+  if (cards.length < 2) { label.hidden = true; return; }
+  const previous = state.model;
+  picker.replaceChildren(...cards.map((card) => {
+    const option = document.createElement("option");
+    option.value = card.id;
+    option.textContent = card.parent ? card.id + " (adapter of " + card.parent + ")" : card.id;
+    return option;
+  }));
+  if (cards.some((c) => c.id === previous)) picker.value = previous;
+  state.model = picker.value;
+  picker.onchange = () => {
+    state.model = picker.value;
+    el.modelName.textContent = "model: " + state.model;
+  };
+  el.modelName.textContent = "model: " + state.model;
+  label.hidden = false;
+}
+
 // ---- connecting: which model, and is a key needed? -----------------------------------
 
 async function connect() {
@@ -143,6 +165,7 @@ async function connect() {
     $("max-tokens-help").textContent = "context: " + card.max_model_len + " tokens";
   }
   el.modelName.textContent = state.model ? "model: " + state.model : "model unknown";
+  showModelPicker(models.cards || []);
   storeKey(state.apiKey);
   closeKeyForm();
   clearError();

@@ -53,7 +53,22 @@ int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, i
                            const uint8_t *q, int bits, const float *scales, const void *zeros, int64_t group_size,
                            const uint16_t *bias, int64_t direct_max_rows, int nthreads);
 
+int mmkit_lora_add(void *out, const void *x, int64_t x_stride, int64_t num_rows, int64_t k, int64_t n,
+                   const int64_t *row_slots, const float *a, const float *bt, const float *scales,
+                   const int64_t *slot_mask, const int64_t *bounds, int64_t num_slices, int64_t rank,
+                   int dtype);
+
 enum { MMKIT_F32 = 0, MMKIT_BF16 = 1 };
+
+/* A projection's LoRA slots (mmkit/lora/layers.py LoRALinear's buffers; lora_delta_cpu.c). */
+typedef struct {
+    const float *a;             /* [slots, num_slices * rank, k] */
+    const float *bt;            /* [slots, rank, n] (B transposed) */
+    const float *scales;        /* [slots, num_slices] */
+    const int64_t *slot_mask;   /* [slots]: 1 where the slot holds weights for this projection */
+    const int64_t *bounds;      /* [num_slices + 1]: slice i is output columns [bounds[i], bounds[i + 1]) */
+    int64_t num_slices, rank;
+} MmkitLora;
 
 /* One projection: dense panels (bits == 0, the step's dtype) or quantized panels (bits 4/8, bf16). */
 typedef struct {
@@ -63,6 +78,7 @@ typedef struct {
     const void *zeros;
     int64_t n, k, group_size;
     int64_t bits;
+    const MmkitLora *lora; /* NULL: no adapter can touch this projection */
 } MmkitLinear;
 
 typedef struct {
@@ -83,6 +99,7 @@ typedef struct {
     const float *cos, *signed_sin;
     float eps, scale;
     int dtype, num_threads;
+    const int64_t *lora_slots; /* [num_tokens] adapter slot per row (-1: none), or NULL: no adapter */
 } MmkitStep;
 
 /* Status codes of mmkit_decode_stack. */
@@ -93,6 +110,12 @@ static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitSte
         ? mmkit_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype, s->num_threads)
         : mmkit_quant_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, (int)w->bits, w->scales,
                                  w->zeros, w->group_size, w->bias, s->quant_direct_max_rows, s->num_threads);
+    if (st == 0 && s->lora_slots && w->lora) {
+        const MmkitLora *L = w->lora;
+        if (mmkit_lora_add(out, x, w->k, s->num_tokens, w->k, w->n, s->lora_slots, L->a, L->bt, L->scales,
+                           L->slot_mask, L->bounds, L->num_slices, L->rank, s->dtype) != 0)
+            return STACK_NO_MEMORY;
+    }
     return st == 2 ? STACK_NO_MEMORY : st; /* 1: no kernel for this CPU; 2: an allocation failed */
 }
 
