@@ -23,9 +23,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['c
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# The parity tests' second configuration (tests/models/test_second_configs.py): attention first,
+# then two convolution layers of kernel 4 with biases, 3 heads on 1 KV head (head size 16).
+SECOND_CONFIGS = {"Lfm2VlForConditionalGeneration": dict(layer_types=("full_attention", "conv", "conv"), hidden=48,
+                                                         num_heads=3, num_kv_heads=1, conv_kernel=4, conv_bias=True,
+                                                         init_std=0.2)}
+
+
 def build_tiny_lfm2_vl(out_dir: str | Path, *, seed: int = 0, layer_types: tuple[str, ...] = (
                            "conv", "conv", "full_attention", "conv"), hidden: int = 64, num_heads: int = 4,
-                       num_kv_heads: int = 2, conv_kernel: int = 3, patch_size: int = 8, tile_size: int = 32,
+                       num_kv_heads: int = 2, conv_kernel: int = 3, conv_bias: bool = False, patch_size: int = 8,
+                       tile_size: int = 32,
                        min_image_tokens: int = 4, max_image_tokens: int = 16, max_tiles: int = 4,
                        init_std: float = 0.08, max_position_embeddings: int = 2048) -> Path:
     import transformers as tf
@@ -37,7 +45,7 @@ def build_tiny_lfm2_vl(out_dir: str | Path, *, seed: int = 0, layer_types: tuple
                                 extra_special_tokens={"image_token": "<image>"})
     text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
                 num_hidden_layers=len(layer_types), num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                layer_types=list(layer_types), conv_L_cache=conv_kernel, conv_bias=False,
+                layer_types=list(layer_types), conv_L_cache=conv_kernel, conv_bias=conv_bias,
                 max_position_embeddings=max_position_embeddings, norm_eps=1e-5, initializer_range=init_std,
                 block_auto_adjust_ff_dim=False, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)

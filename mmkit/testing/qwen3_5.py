@@ -17,6 +17,20 @@ import torch
 from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer
 
 
+# The parity tests' second configuration (tests/models/test_second_configs.py): 3 layers (two Gated
+# DeltaNet, then attention), 3 heads on 1 KV head of 40 (rotating 10 dims: M-RoPE sections 3/1/1),
+# one key head serving 3 value heads (key dim 24, value dim 20), conv kernel 3, tied embeddings (init_std
+# 0.1: at 0.2 the tied head gives two prompts one answer);
+# MoE with 5 experts, 3 per token.
+_SECOND = dict(text_layers=3, full_attention_every=3, hidden=48, num_heads=3, num_kv_heads=1, head_dim=40,
+               linear_key_heads=1, linear_value_heads=3, linear_key_dim=24, linear_value_dim=20, conv_kernel=3,
+               tie_word_embeddings=True, init_std=0.1)
+SECOND_CONFIGS = {
+    "Qwen3_5ForConditionalGeneration": dict(moe=False, **_SECOND),
+    "Qwen3_5MoeForConditionalGeneration": dict(moe=True, num_experts=5, num_experts_per_tok=3, **_SECOND),
+}
+
+
 def build_tiny_qwen3_5(out_dir: str | Path, *, seed: int = 0, moe: bool = False, text_layers: int = 4,
                        full_attention_every: int = 2, hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
                        head_dim: int = 32, partial_rotary_factor: float = 0.25, linear_key_heads: int = 2,

@@ -158,13 +158,20 @@ def dummy_image_inputs(runner, count: int) -> list[dict]:
 
 def profiled_num_blocks(runner) -> int:
     """KV blocks for a CUDA runner without `num_kv_blocks`/`kv_cache_memory`: profile, log, size."""
-    from mmkit.worker.kv_cache import bytes_per_block
+    from mmkit.worker.kv_cache import bytes_per_block, state_bytes
 
     run, scratch = profiling_step(runner)
     profile = profile_memory(run, CudaMemory(runner.device), runner.config.cache.gpu_memory_utilization, scratch)
     config = runner.config
     per_block = bytes_per_block(config.model, runner.block_size)
     num_blocks = min(profile.num_blocks(per_block), max_useful_blocks(config))
+    # A hybrid decoder's state slots (allocated after the profile) come out of the same share.
+    state = state_bytes(config.model, config.scheduler.max_num_seqs)
+    if state:
+        num_blocks -= -(-state // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"gpu_memory_utilization: after the hybrid decoder's per-request state slots ({state} "
+                             "bytes for max_num_seqs) no KV block is left; lower max_num_seqs or raise it")
     logger.info("mmkit memory profile: %s -> %d KV blocks of %d tokens", profile.describe(), num_blocks,
                 runner.block_size)
     runner.memory_profile = profile

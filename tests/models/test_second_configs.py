@@ -29,6 +29,8 @@ FAMILIES = {
     "idefics3": ("User:{}<end_of_utterance>\nAssistant:", "<image>", True),
     "internvl": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<IMG_CONTEXT>\n", True),
     "mistral3": ("[INST]{}[/INST]", "[IMG]", True),
+    "qwen3_5": (*QWEN, False),
+    "lfm2_vl": ("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<image>", True),
 }
 CASES = {"text": [0], "image": [1], "mixed": [0, 1, 2]}
 SECOND = {arch: (family, kwargs) for family in FAMILIES

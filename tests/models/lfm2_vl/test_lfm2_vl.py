@@ -143,3 +143,17 @@ def test_bad_inputs_fail_before_anything_is_added(ckpt):
         assert_slots_returned(llm)
     out = llm.generate(ok, greedy(), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(ckpt, prompt=P_IMG, images=[SMALL])
+
+
+def test_chat_renders_the_template_and_gives_transformers_ids(ckpt):
+    llm = LLM(str(ckpt), dtype="float32")
+    from serve_utils import data_uri
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(BIG)}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    out = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    _, processor = hf(str(ckpt))
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                            "text": "Describe it."}]}], add_generation_prompt=True, tokenize=False)
+    assert out.prompt == prompt
+    assert list(out.outputs[0].token_ids) == hf_greedy(ckpt, prompt=prompt, images=[BIG])
