@@ -89,8 +89,8 @@ def build_bench_qwen3_5(num_layers: int, vision_depth: int) -> str:
     """Qwen3.5-2B-shaped, depth cut: hidden 2048, MLP 6144, full attention 8 heads / 2 KV heads of
     256 with a quarter rotated, Gated DeltaNet 16 key / 16 value heads of 128, conv kernel 4, three
     linear-attention layers to one full-attention layer; tower hidden 1024 / 16 heads, patch 16.
-    (The shape follows the family's published configs; the tokenizer is the 151936-entry one
-    above, not Qwen3.5's 248320.)"""
+    (The shape is assumed from the family's published pattern, not read from the 2B's config;
+    the tokenizer is the 151936-entry one above, not Qwen3.5's 248320.)"""
     from mmkit.testing.qwen3_5 import build_tiny_qwen3_5
 
     out = ROOT / ".cache" / f"bench-qwen3_5-{num_layers}l-{vision_depth}v"

@@ -165,7 +165,10 @@ class _ModelRegistry:
             from mmkit.models.transformers_backend.qualify import transformers_class
 
             cls = transformers_class(architecture)
-            config = cls.config_class() if cls is not None and getattr(cls, "config_class", None) else None
+            try:  # the class's default config: enough to see what kind of decoder it is
+                config = cls.config_class() if cls is not None and getattr(cls, "config_class", None) else None
+            except Exception:  # noqa: BLE001 - a config class that needs arguments
+                config = None
             if config is None:
                 config = SimpleNamespace(architectures=[architecture], model_type=None,
                                          get_text_config=lambda: SimpleNamespace())
@@ -272,4 +275,7 @@ _register("Qwen3_5ForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5ForCon
           processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5",))
 _register("Qwen3_5MoeForConditionalGeneration", "mmkit.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
           processor="mmkit.processors.qwen3_5:Qwen3_5InputProcessor", model_types=("qwen3_5_moe",))
+# LFM2-VL, a hybrid decoder of short convolutions and attention (models/lfm2_vl.py, processors/lfm2_vl.py)
+_register("Lfm2VlForConditionalGeneration", "mmkit.models.lfm2_vl:Lfm2VlForConditionalGeneration",
+          processor="mmkit.processors.lfm2_vl:Lfm2VlInputProcessor", model_types=("lfm2_vl",))
 del _register

@@ -98,7 +98,8 @@ class TransformersInputProcessor:
             if self.probe is None:
                 ids, ranges, order = list(self.tokenizer(parsed.prompt).input_ids), [], []
             else:
-                exp = expand_text(self.hf_processor, self.tokenizer, where, parsed.prompt, {"image": reps})
+                exp = expand_text(self.hf_processor, self.tokenizer, where,
+                                  processor_text_layout(self.hf_processor, parsed.prompt, len(images)), {"image": reps})
                 ids, ranges, order = exp.token_ids, exp.ranges, exp.order
         else:
             ids = checked_token_ids(where, parsed.prompt_token_ids, self.vocab_size)
@@ -121,7 +122,9 @@ class TransformersInputProcessor:
     def _bidirectional_ranges(self, ids: list[int], ranges) -> list[PlaceholderRange]:
         """The spans the model's own mask opens both ways (models/transformers_backend/quirks.py)."""
         if self.bidirectional == "prompt":
-            return [PlaceholderRange(0, len(ids))]
+            # Only a prompt the processor laid out (it writes token_type_ids there); a token-id
+            # prompt without images reaches transformers' forward without them: causal.
+            return [PlaceholderRange(0, len(ids))] if ranges else []
         if self.bidirectional != "image_runs":
             return []
         runs: list[PlaceholderRange] = []
@@ -196,3 +199,19 @@ def _has_rope_index(cls: type, hf_config: Any) -> bool:
     base = cls.__name__.replace("ForConditionalGeneration", "Model")
     inner = getattr(module, base, None)
     return inner is not None and callable(getattr(inner, "get_rope_index", None))
+
+
+def processor_text_layout(hf_processor: Any, prompt: str, num_images: int) -> str:
+    """The prompt as the processor's own `__call__` lays it out before expanding placeholders
+    (PaliGemma puts BOS after the images and a newline at the end), through its
+    `prepare_inputs_layout` when the class overrides it; the prompt unchanged otherwise."""
+    from transformers.processing_utils import ProcessorMixin
+
+    layout = getattr(type(hf_processor), "prepare_inputs_layout", None)
+    if not num_images or layout is None or layout is getattr(ProcessorMixin, "prepare_inputs_layout", None):
+        return prompt
+    from PIL import Image
+
+    blank = [Image.new("RGB", (1, 1))] * num_images  # the layout reads only how many images there are
+    _, text, *_ = hf_processor.prepare_inputs_layout(images=[blank], text=[prompt])
+    return text[0] if isinstance(text, (list, tuple)) else text

@@ -38,9 +38,14 @@ def test_evidence_folders_are_named_by_date_and_topic_and_kept_by_gitignore():
     assert folders, "no committed evidence under benchmarks/results"
     bad = sorted(f for f in folders if not FOLDER_NAME.match(f))
     assert not bad, f"evidence folders not named <YYYY-MM-DD>-<topic>: {bad}"
-    ignore = (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
-    unlisted = sorted(f for f in folders if f"!benchmarks/results/{f}/" not in ignore)
-    assert not unlisted, f".gitignore has no exception for {unlisted}"
+    probes = [f"benchmarks/results/{f}/figures.json" for f in sorted(folders)]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", *probes],
+                             capture_output=True, text=True).stdout.split()
+    assert not ignored, f".gitignore ignores new files in evidence folders: {ignored}"
+    # ... while a scratch output folder (a script's default --out) stays ignored.
+    scratch = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "benchmarks/results/quant_compare/x.json"],
+                             capture_output=True, text=True).stdout.split()
+    assert scratch == ["benchmarks/results/quant_compare/x.json"]
 
 
 def test_readme_opens_with_current_figures_then_method_and_points_to_history():

@@ -39,6 +39,10 @@ def test_wheel_contents(wheel):
     for init in sorted((ROOT / "mmkit").rglob("__init__.py")):
         package = init.parent.relative_to(ROOT).as_posix()
         assert f"{package}/__init__.py" in names, f"{package} is missing from [tool.setuptools] packages"
+    for folder in ("models", "processors"):  # installed as mmkit.models / mmkit.processors
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            package = "mmkit/" + init.parent.relative_to(ROOT).as_posix()
+            assert f"{package}/__init__.py" in names, f"{package} is missing from [tool.setuptools] packages"
     assert not any(n.startswith(("tests/", "training/", "assets/", "models/", "processors/")) for n in names)
     assert wheel.stat().st_size < 24 * 2**20  # the model (17 MB fp32) dominates
 

@@ -44,12 +44,23 @@ def available_backends(device: torch.device) -> list[str]:
     return names
 
 
-def select_attention_backend(device: torch.device, requested: str = "auto") -> str:
-    """The backend name for `device`; a `ValueError` naming the choices when it cannot run."""
+def flex_block_size_ok(block_size: int) -> bool:
+    """FlexAttention's Triton kernels tile a KV block by BLOCK_N (a power of two >= 16) dividing it."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+def select_attention_backend(device: torch.device, requested: str = "auto", block_size: int = 16) -> str:
+    """The backend name for `device`; a `ValueError` naming the choices when it cannot run.
+    On CUDA "flex" needs a `block_size` that is a power of two >= 16 ("auto" then falls back
+    to "torch")."""
     if requested not in BACKENDS:
         raise ValueError(f"attention_backend: got {requested!r}; expected one of {list(BACKENDS)}")
+    cuda_flex_ok = flex.is_available() and flex_block_size_ok(block_size)
     if requested == "auto":
-        return "flex" if device.type == "cuda" and flex.is_available() else "torch"
+        return "flex" if device.type == "cuda" and cuda_flex_ok else "torch"
+    if requested == "flex" and device.type == "cuda" and not flex_block_size_ok(block_size):
+        raise ValueError(f"attention_backend: 'flex' on CUDA needs block_size a power of two >= 16; got "
+                         f"block_size={block_size} (use block_size=16 or attention_backend='torch')")
     if requested in _PACKAGES:
         if device.type != "cuda":
             raise ValueError(f"attention_backend: {requested!r} runs on CUDA only; device is {device.type!r} "

@@ -43,8 +43,11 @@ except ImportError:  # pragma: no cover - older torch
     flex_attention = None  # type: ignore[assignment]
 
 # Query rows per tile of the prefill BlockMask (the Triton kernel's sparse block; 128 is
-# FlexAttention's default). Decode calls have one query row per batch entry.
+# FlexAttention's default).
 PREFILL_Q_TILE = 128
+# The decode BlockMask's query tile: one query row per batch entry, but the Triton kernels need a
+# sparse Q block that their BLOCK_M (at least 16) divides, so the one row sits in a tile of 128.
+DECODE_Q_TILE = 128
 
 
 class UnsupportedAttention(ValueError):
@@ -75,8 +78,9 @@ class FlexMetadata:
     num_prefill_tokens: int
     physical_to_logical: torch.Tensor  # [num_seqs, num_blocks] int32, -1: not the seq's block
     # Per sequence of the step (decodes first, then chunks): its block table row and length.
+    # Per prefill chunk (sequence nd + j): its live block table and its length after the step.
     tables: list[torch.Tensor]
-    seq_lens: list[int]  # tokens in the cache after this step (context of the last query)
+    seq_lens: list[int]
     decode_rows: FlexRows | None
     prefill_rows: FlexRows | None
     # Per prefill tile: (first row, end row) and which sequences' rows it holds.
@@ -84,6 +88,9 @@ class FlexMetadata:
     prefill_tile_seqs: list[list[int]] = field(default_factory=list)
     prefill_first_pos: list[int] = field(default_factory=list)  # per seq: first query position
     q_tile: int = PREFILL_Q_TILE
+    decode_tables: torch.Tensor | None = None  # [num_decodes, width] padded block tables
+    # Per prefill chunk: (first row among the prefill rows, query_len, bidirectional spans).
+    prefill_chunks: list[tuple[int, int, tuple]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict, repr=False)
 
     def block_mask(self, kind: str, sliding_window: int | None) -> "BlockMask":
@@ -98,25 +105,21 @@ def build_flex_metadata(meta: AttentionMetadata, num_blocks: int, q_tile: int = 
     """The FlexAttention view of a step's `AttentionMetadata` (decodes first, then chunks)."""
     bs = meta.block_size
     device = meta.slot_mapping.device
-    tables: list[torch.Tensor] = []
-    seq_lens: list[int] = []
     nd = meta.num_decode_tokens
-    if nd:
-        width = meta.decode_max_blocks
-        padded = meta.decode_block_ids.view(nd, width)
-        for i, n in enumerate(meta.decode_lens):
-            tables.append(padded[i, :-(-n // bs)])
-            seq_lens.append(n)
-    for chunk in meta.prefills:
-        tables.append(chunk.block_table[:-(-chunk.context_len // bs)].to(device))
-        seq_lens.append(chunk.context_len)
-    p2l = physical_to_logical(tables, num_blocks, device)
+    tables = [chunk.block_table[:-(-chunk.context_len // bs)].to(device) for chunk in meta.prefills]
+    seq_lens = [chunk.context_len for chunk in meta.prefills]
+    p2l = torch.full((nd + len(tables), num_blocks), -1, dtype=torch.int32, device=device)
     decode_rows = None
     if nd:
+        # Decodes in whole-batch tensor ops (no per-sequence launches): [nd, width] tables.
+        padded = meta.decode_block_ids.view(nd, meta.decode_max_blocks)
+        lens = meta.decode_context_lens.to(device)
+        _scatter_logical(p2l[:nd], padded, -(-lens // bs))
         seq = torch.arange(nd, dtype=torch.int32, device=device)
-        pos = torch.tensor([n - 1 for n in meta.decode_lens], dtype=torch.int32, device=device)
         zero = torch.zeros(nd, dtype=torch.int32, device=device)
-        decode_rows = FlexRows(seq, pos, zero, zero)
+        decode_rows = FlexRows(seq, (lens - 1).to(torch.int32), zero, zero)
+    if tables:
+        p2l[nd:] = physical_to_logical(tables, num_blocks, device)
     prefill_rows = None
     tiles, tile_seqs, first_pos = [], [], []
     num_prefill = sum(c.query_len for c in meta.prefills)
@@ -146,7 +149,31 @@ def build_flex_metadata(meta: AttentionMetadata, num_blocks: int, q_tile: int = 
             tile_seqs.append([nd + j for j in range(len(meta.prefills)) if starts[j] < t1 and starts[j + 1] > t0])
         first_pos = [0] * nd + [c.context_len - c.query_len for c in meta.prefills]
     return FlexMetadata(bs, num_blocks, nd, num_prefill, p2l, tables, seq_lens, decode_rows, prefill_rows,
-                        tiles, tile_seqs, first_pos, q_tile)
+                        tiles, tile_seqs, first_pos, q_tile, padded if nd else None,
+                        [(starts[j], c.query_len, c.spans) for j, c in enumerate(meta.prefills)] if meta.prefills else [])
+
+
+def _scatter_logical(p2l: torch.Tensor, tables: torch.Tensor, live: torch.Tensor) -> None:
+    """p2l[row, tables[row, j]] = j for the live columns j < live[row]; padding and freed (-1)
+    entries may repeat a live block id, so they scatter -1 under a max (never over a live j)."""
+    cols = torch.arange(tables.shape[1], device=tables.device)
+    logical = torch.where((cols[None, :] < live[:, None]) & (tables >= 0), cols[None, :], -1).to(p2l.dtype)
+    p2l.scatter_reduce_(1, tables.clamp(min=0).long(), logical, reduce="amax")
+
+
+def decode_block_lists(tables: torch.Tensor, lens: torch.Tensor, block_size: int, window: int,
+                       num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode BlockMask's (counts [nd] int32, indices [nd, num_blocks] int32) from the padded
+    tables [nd, width] and lengths [nd], in whole-batch ops: each row's blocks from the first
+    one its window reaches (0 without a window) to its last live one."""
+    width = tables.shape[1]
+    live = -(-lens // block_size)
+    first = torch.clamp(lens - window, min=0) // block_size if window else torch.zeros_like(lens)
+    cols = torch.arange(width, device=tables.device)
+    idx = torch.clamp(first[:, None] + cols[None, :], max=width - 1)
+    kv_idx = torch.zeros(tables.shape[0], max(num_blocks, width), dtype=torch.int32, device=tables.device)
+    kv_idx[:, :width] = tables.gather(1, idx).clamp(min=0)
+    return (live - first).to(torch.int32), kv_idx[:, :num_blocks]
 
 
 def physical_to_logical(tables: list[torch.Tensor], num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -186,13 +213,10 @@ def _live_range(fm: FlexMetadata, seq: int, first_q: int, last_q: int, window: i
 
 
 def _decode_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
-    lists = []
-    for s in range(fm.num_decodes):
-        n = fm.seq_lens[s]
-        lo, hi = _live_range(fm, s, n - 1, n - 1, window)
-        lists.append(fm.tables[s][lo:hi])
-    kv_num, kv_idx = _pack(lists, fm.num_blocks, fm.physical_to_logical.device)
-    return BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, fm.block_size),
+    kv_num, kv_idx = decode_block_lists(fm.decode_tables, (fm.decode_rows.pos + 1).long(), fm.block_size, window,
+                                        fm.num_blocks)
+    return BlockMask.from_kv_blocks(kv_num[:, None, None], kv_idx[:, None, None, :],
+                                    BLOCK_SIZE=(DECODE_Q_TILE, fm.block_size),
                                     mask_mod=_mask_mod(fm, fm.decode_rows, window, lambda b, q: b),
                                     seq_lengths=(1, fm.num_blocks * fm.block_size), compute_q_blocks=False)
 
@@ -203,14 +227,18 @@ def _prefill_block_mask(fm: FlexMetadata, window: int) -> "BlockMask":
     for (t0, t1), seqs in zip(fm.prefill_tiles, fm.prefill_tile_seqs):
         parts = []
         for s in seqs:
-            # The tile's rows of seq s: positions from first_pos + (row - chunk start).
-            sel = rows.seq[t0:t1] == s
-            positions = rows.pos[t0:t1][sel]
-            q_first, q_last = int(positions.min()), int(positions.max())
+            # The tile's rows of chunk j, in host arithmetic (no device reads): its rows
+            # [start, start + query_len) hold positions first_pos + (row - start).
+            j = s - fm.num_decodes
+            start, query_len, spans = fm.prefill_chunks[j]
+            first = fm.prefill_first_pos[s]
+            q_first = first + max(t0, start) - start
+            q_last = first + min(t1, start + query_len) - 1 - start
             lo, hi = _live_range(fm, s, q_first, q_last, window)
-            spans_hi = int(rows.span_hi[t0:t1][sel].max())  # a span may reach past the last query
+            # A bidirectional span holding one of the tile's queries may reach past the last one.
+            spans_hi = max((h for lo_s, h in spans if lo_s <= q_last and h > q_first), default=0)
             hi = max(hi, -(-spans_hi // fm.block_size))
-            parts.append(fm.tables[s][lo:hi])
+            parts.append(fm.tables[j][lo:hi])
         blocks = torch.cat(parts).long()
         lists.append(torch.unique(blocks[blocks >= 0]))
     kv_num, kv_idx = _pack(lists, fm.num_blocks, rows.seq.device)

@@ -134,7 +134,11 @@ class LoRALinear(nn.Module):
                 if scale == 0.0:
                     continue
                 delta = (mid[:, i * R:(i + 1) * R] @ self.b[slot, :, lo:lo + width]) * scale
-                out[start:end, lo:lo + width] += delta.to(out.dtype)
+                if delta.dtype == out.dtype:
+                    out[start:end, lo:lo + width] += delta
+                else:  # float32 deltas on a bf16 output: one rounding, after the add (as the C stack)
+                    view = out[start:end, lo:lo + width]
+                    view.copy_((view.float() + delta).to(out.dtype))
         return out
 
 

@@ -44,6 +44,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "build_tiny_qwen3_vl", {"moe": True}),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "build_tiny_qwen3_5", {"moe": False}),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "build_tiny_qwen3_5", {"moe": True}),
+    "Lfm2VlForConditionalGeneration": ("lfm2_vl", "build_tiny_lfm2_vl", {}),
 }
 
 

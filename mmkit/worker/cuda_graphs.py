@@ -143,18 +143,15 @@ class DecodeBuffers:
         self._pos32[:padded].copy_(pos)
         block = tables.gather(1, (pos // bs)[:, None])[:, 0].long()
         self.slot_mapping[:padded].copy_(block * bs + pos % bs)
-        live = -(-(pos + 1) // bs)  # [padded] live blocks per row
-        cols = torch.arange(self.max_blocks_per_seq, device=self.device)
-        logical = torch.where(cols[None, :] < live[:, None], cols[None, :].to(torch.int32), -1)
+        lens = pos + 1
         p2l = self.physical_to_logical[:padded]
         p2l.fill_(-1)
-        p2l.scatter_(1, tables.long(), logical.to(torch.int32))
+        flex._scatter_logical(p2l, tables, -(-lens // bs))
         p2l[:, self.null_block] = torch.where(pos == 0, 0, -1).to(torch.int32)  # padding reads its own row 0
         for w in self.windows:
-            first = (torch.clamp(pos + 1 - w, min=0) // bs) if w else torch.zeros_like(pos)
-            idx = torch.clamp(first[:, None] + cols[None, :], max=self.max_blocks_per_seq - 1)
-            self._kv_idx[w][:padded, :self.max_blocks_per_seq].copy_(tables.gather(1, idx))
-            self._kv_num[w][:padded].copy_(live - first)
+            kv_num, kv_idx = flex.decode_block_lists(tables, lens, bs, w, self.num_cache_blocks)
+            self._kv_num[w][:padded].copy_(kv_num)
+            self._kv_idx[w][:padded, :self.num_cache_blocks].copy_(kv_idx)
 
     def flex_metadata(self, padded: int) -> flex.FlexMetadata:
         """A FlexMetadata over rows [0, padded) whose tensors are views of the buffers: built
@@ -165,7 +162,8 @@ class DecodeBuffers:
         for w in self.windows:
             kv_idx = self._kv_idx[w][:padded, :self.num_cache_blocks]
             fm._masks[("decode", w)] = flex.BlockMask.from_kv_blocks(
-                self._kv_num[w][:padded, None, None], kv_idx[:, None, None, :], BLOCK_SIZE=(1, self.block_size),
+                self._kv_num[w][:padded, None, None], kv_idx[:, None, None, :],
+                BLOCK_SIZE=(flex.DECODE_Q_TILE, self.block_size),
                 mask_mod=flex._mask_mod(fm, rows, w, lambda b, q: b),
                 seq_lengths=(1, self.num_cache_blocks * self.block_size), compute_q_blocks=False)
         return fm
@@ -232,6 +230,8 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: list[int] | None = None) -> None:
         from mmkit.layers.attention_backend import compiled_flex_attention
 
+        if runner.uses_mrope or runner.embed_width_factor != 1:
+            raise ValueError("decode graphs: M-RoPE and DeepStack models run their decode steps eagerly")
         config = runner.config
         mc = config.model
         self.runner = runner
@@ -249,10 +249,14 @@ class DecodeGraphs:
         self.graph_runner = GraphRunner(self.sizes, self._forward, runner.device)
 
     @classmethod
-    def enable(cls, runner, sizes: list[int] | None = None) -> "DecodeGraphs":
+    def enable(cls, runner, sizes: list[int] | None = None) -> "DecodeGraphs | None":
         """Graphs on a runner built without them (before any request): the caches get the null
-        block. The CPU tests use it to run the stand-in inside a real engine."""
+        block. The CPU tests use it to run the stand-in inside a real engine. None for a model
+        whose decode steps graphs do not take (M-RoPE, DeepStack)."""
         from mmkit.worker.kv_cache import allocate_kv_caches
+
+        if runner.uses_mrope or runner.embed_width_factor != 1:
+            return None
 
         runner.num_cache_blocks = runner.num_blocks + 1
         runner.kv_caches = allocate_kv_caches(runner.config.model, runner.num_cache_blocks, runner.block_size)

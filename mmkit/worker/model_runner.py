@@ -59,7 +59,8 @@ class ModelRunner:
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
         self.uses_mrope = uses_mrope(self.model)
         self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
-        self.attention_backend = select_attention_backend(self.device, config.attention_backend)
+        self.attention_backend = select_attention_backend(self.device, config.attention_backend,
+                                                          config.cache.block_size)
         self.memory_profile = None  # CUDA: the profiling run's figures (worker/memory_profiler.py)
         self.num_blocks = (profiled_num_blocks(self) if needs_profile(config)
                            else num_blocks_for(mc, config.cache, config.scheduler.max_num_seqs))
@@ -259,7 +260,9 @@ class ModelRunner:
             state = c.state
             table = state.block_table
             start, end = c.start, c.end
-            if end - start == 1:
+            # NOTE: one token inside a bidirectional span (a prefix-cache hit up to the prompt's
+            # last token) is a prefill chunk: its query must see the whole span.
+            if end - start == 1 and not any(lo <= start < lo + n for lo, n in state.bidirectional_ranges):
                 ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)

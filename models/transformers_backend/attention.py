@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from mmkit.layers.attention import AttentionMetadata, gather_blocks, paged_attention, write_kv
+from mmkit.models.transformers_backend.quirks import fix_position_dependent_query
 
 ATTN_IMPLEMENTATION = "mmkit_paged"
 
@@ -43,6 +44,10 @@ class BackendStep:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     layer_chunk_sizes: Sequence[int | None] = ()
+    positions: torch.Tensor | None = None  # [T] each row's position (the text row for 3-D rotary)
+    # Each layer's window as transformers decides it from the config (mmkit/layers/sliding_window.py),
+    # for modules that leave the window to the mask instead of passing `sliding_window`.
+    layer_windows: Sequence[int | None] = ()
 
 
 _STEP: contextvars.ContextVar[BackendStep | None] = contextvars.ContextVar("mmkit_backend_step", default=None)
@@ -68,14 +73,18 @@ def mmkit_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.shape[0] != 1:
         raise RuntimeError(f"mmkit_paged attention expects the step flattened into one row; got batch {query.shape[0]}")
     k_cache, v_cache = step.kv_caches[layer]
+    if step.positions is not None:
+        query = fix_position_dependent_query(module, query, step.positions)
     q = query[0].transpose(0, 1).contiguous()  # [T, num_heads, head_dim]
     k = key[0].transpose(0, 1).contiguous().to(k_cache.dtype)  # [T, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous().to(v_cache.dtype)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window") or None
+    window = kwargs.get("sliding_window") or (step.layer_windows[layer] if layer < len(step.layer_windows) else None)
     softcap = kwargs.get("softcap") or None
     chunk = step.layer_chunk_sizes[layer] if layer < len(step.layer_chunk_sizes) else None
-    if softcap is None and chunk is None:
+    # The native kernels clip a bidirectional span by the window; transformers does not.
+    windowed_spans = bool(window) and any(c.spans for c in step.meta.prefills)
+    if softcap is None and chunk is None and not windowed_spans:
         out = paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window=window)
     else:
         out = _masked_attention(q, k, v, k_cache, v_cache, step.meta, scale, window, chunk, softcap)
@@ -100,6 +109,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             first = max(first, ctx - num_q - window + 1)
         if chunk:
             first = max(first, (ctx - num_q) // chunk * chunk)
+        if spans:
+            first = min([first] + [lo for lo, hi in spans if lo < ctx])
         first = first // bs * bs
         blocks = table[first // bs:-(-ctx // bs)].to(device)
         kk = gather_blocks(k_cache, blocks, 1)[:, 0, :ctx - first]  # [kv_heads, keys, D]
@@ -107,12 +118,14 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q_pos = torch.arange(ctx - num_q, ctx, device=device)[:, None]
         k_pos = torch.arange(first, ctx, device=device)[None, :]
         allowed = k_pos <= q_pos
-        for lo, hi in spans:
-            allowed |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
         if window:
             allowed &= k_pos > q_pos - window
         if chunk:
             allowed &= (k_pos // chunk) == (q_pos // chunk)
+        # NOTE: transformers ORs the blockwise overlay onto the sliding / chunked causal mask,
+        # so a span's queries see every key of their span, however far back.
+        for lo, hi in spans:
+            allowed |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
         qq = q[start:start + num_q].transpose(0, 1)  # [H, num_q, D]
         group = qq.shape[0] // kk.shape[0]
         kk = kk.repeat_interleave(group, dim=0)  # transformers' repeat_kv order

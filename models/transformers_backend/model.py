@@ -20,6 +20,7 @@ The runner's interface (models/interfaces.py) maps onto the model's own methods:
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -42,7 +43,8 @@ def language_model_of(hf_model: nn.Module) -> nn.Module:
     for name in ("language_model", "text_model"):
         lm = getattr(inner, name, None)
         if isinstance(lm, nn.Module):
-            return lm
+            # Llama 4 holds a whole causal LM there (its head on top): the decoder is inside.
+            return lm.model if isinstance(getattr(lm, "model", None), nn.Module) and hasattr(lm, "lm_head") else lm
     decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
     if isinstance(decoder, nn.Module):
         return decoder
@@ -99,6 +101,9 @@ class TransformersBackendModel(nn.Module):
         chunk = getattr(text, "attention_chunk_size", None)
         self.layer_chunk_sizes = tuple(chunk if t == "chunked_attention" else None
                                        for t in (getattr(text, "layer_types", None) or []))
+        from mmkit.layers.sliding_window import layer_windows
+
+        self.layer_windows = tuple(layer_windows(text))
         self.final_logit_softcapping = (getattr(config, "final_logit_softcapping", None)
                                         or getattr(text, "final_logit_softcapping", None))
         self.uses_mrope = False  # set from the loaded model (get_rope_index)
@@ -112,25 +117,43 @@ class TransformersBackendModel(nn.Module):
             raise ValueError(f"quantization: not supported with model_impl='transformers' "
                              f"({self.architecture}); use model_impl='mmkit' where the family is native")
         attention.register()
-        hf_model = self.hf_class.from_pretrained(str(path), config=self.config, dtype=dtype or torch.float32,
-                                                 device_map=str(device or "cpu"), attn_implementation="sdpa",
-                                                 local_files_only=True)
+        load = dict(config=self.config, dtype=dtype or torch.float32, device_map=str(device or "cpu"),
+                    local_files_only=True)
+        try:
+            hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="sdpa", **load)
+        except ValueError as err:  # a sub-model without SDPA (Gemma 2 in PaliGemma 2): eager there
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+            hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="eager", **load)
         self.hf_model = hf_model.eval()
         self.language_model = language_model_of(hf_model)
         self.language_model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         self.uses_mrope = rope_index_owner(hf_model) is not None
         # Float32 buffers (rotary inverse frequencies) stay float32 across the loader's final
-        # cast, as transformers keeps them in a bf16 model.
+        # cast, as transformers keeps them in a bf16 model; complex ones (Llama 4's vision
+        # rotary `freqs_ci`) keep their imaginary part.
         self._fp32_buffers = [(m, n, b.detach().clone()) for m in hf_model.modules()
-                              for n, b in m.named_buffers(recurse=False) if b.dtype == torch.float32]
-        self._image_feature_params = _parameter_names(getattr(hf_model, "get_image_features", None))
+                              for n, b in m.named_buffers(recurse=False)
+                              if b.dtype == torch.float32 or b.is_complex()]
+        # DeepSeek-VL has get_image_features on its base model only.
+        owner = hf_model if callable(getattr(hf_model, "get_image_features", None)) else getattr(hf_model, "model")
+        self._get_image_features = owner.get_image_features
+        self._image_feature_params = _parameter_names(self._get_image_features)
 
     def prepare_for_inference(self) -> int:
         for module, name, fp32 in self._fp32_buffers:
-            if getattr(module, name).dtype != torch.float32:
+            if getattr(module, name).dtype != fp32.dtype:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
-        return 0
+        if os.environ.get("MMKIT_BACKEND_PACKED_LINEAR", "1") == "0":  # A/B: transformers' own linears
+            return 0
+        from mmkit.models.transformers_backend.linear import swap_linears
+
+        # The decoder's linears drop their row-major copy once packed; the LM head keeps it
+        # (it may be the token embedding, tied).
+        head = self.hf_model.get_output_embeddings()
+        return swap_linears(self.language_model, release_weights=True) + \
+            (swap_linears(head, release_weights=False) if isinstance(head, nn.Module) else 0)
 
     # ------------------------------------------------------------------ multimodal interface
     @classmethod
@@ -146,8 +169,8 @@ class TransformersBackendModel(nn.Module):
         for item in items:
             span_ids = item[SPAN_IDS_KEY]
             mask = item[FEATURE_MASK_KEY].bool()
-            features = features_as_rows(self.hf_model.get_image_features(**self._feature_kwargs(item)),
-                                        self.hidden_size)
+            raw = self._get_image_features(**self._feature_kwargs(item))
+            features = features_as_rows(raw, self.hidden_size)
             if features.shape[0] != int(mask.sum()):
                 raise ValueError(f"model: {self.architecture}'s get_image_features returned {features.shape[0]} rows "
                                  f"for an image whose span holds {int(mask.sum())} image tokens; refusing to "
@@ -157,6 +180,11 @@ class TransformersBackendModel(nn.Module):
                 continue
             rows = self.embed_tokens(span_ids).clone()
             rows[mask] = features.to(rows.dtype)
+            # Ovis2: the span's marker tokens take rows of the visual table, as its forward does.
+            indicators = getattr(raw, "visual_indicator_features", None)
+            for i, token_id in enumerate(getattr(self.config, "visual_indicator_token_ids", None) or ()):
+                if indicators is not None:
+                    rows[span_ids == token_id] = indicators[i].to(rows.dtype)
             out.append(rows)
         return out
 
@@ -182,7 +210,9 @@ class TransformersBackendModel(nn.Module):
         position_ids = positions[:, None, :] if positions.dim() == 2 else positions[None, :]
         if self.position_offset:
             position_ids = position_ids + self.position_offset
-        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes)
+        flat_positions = positions[0] if positions.dim() == 2 else positions
+        step = attention.BackendStep(kv_caches, meta, self.layer_chunk_sizes, flat_positions + self.position_offset,
+                                     self.layer_windows)
         token = attention.current_step().set(step)
         try:
             out = self.language_model(inputs_embeds=inputs_embeds[None], position_ids=position_ids,

@@ -82,7 +82,7 @@ def backend_refusal(hf_config: Any, architecture: str, native: bool = False) -> 
     shared = next((f for f in _SHARED_KV_FIELDS if getattr(text, f, None)), None)
     if shared is not None:
         return f"{where}: its layers share KV caches ({shared}={getattr(text, shared)}); {try_instead}"
-    if not getattr(cls, "_supports_attention_backend", False):
+    if not getattr(cls, "_supports_attention_backend", False) and not _text_model_supports_backend(text):
         return (f"{where}: transformers' {architecture} does not accept a custom attention function "
                 f"(_supports_attention_backend is False); {try_instead}")
     return None
@@ -93,3 +93,16 @@ def check_backend_supports(hf_config: Any, architecture: str, native: bool = Fal
     reason = backend_refusal(hf_config, architecture, native)
     if reason is not None:
         raise BackendUnsupportedError(reason)
+
+
+def _text_model_supports_backend(text_config: Any) -> bool:
+    """Whether the language model's own class takes a custom attention function: the backend
+    sets it on the language model only (DeepSeek-VL's composite class does not declare it, its
+    Llama decoder does)."""
+    try:
+        from transformers import AutoModel
+
+        cls = AutoModel._model_mapping[type(text_config)]
+    except Exception:  # noqa: BLE001 - no base model class registered for this text config
+        return False
+    return bool(getattr(cls, "_supports_attention_backend", False))

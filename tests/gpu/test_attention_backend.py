@@ -23,6 +23,11 @@ def test_auto_picks_torch_on_cpu_and_flex_on_cuda():
     assert select_attention_backend(CUDA) == "flex"
     assert select_attention_backend(CPU, "flex") == "flex"
     assert "torch" in available_backends(CPU) and "flex" in available_backends(CPU)
+    # FlexAttention's Triton tiles need a power-of-two block of at least 16 tokens.
+    assert select_attention_backend(CUDA, "auto", block_size=8) == "torch"
+    assert select_attention_backend(CPU, "flex", block_size=8) == "flex"  # eager on CPU: any size
+    with pytest.raises(ValueError, match="'flex' on CUDA needs block_size a power of two >= 16; got block_size=24"):
+        select_attention_backend(CUDA, "flex", block_size=24)
 
 
 def test_unknown_and_unavailable_backends_are_named():

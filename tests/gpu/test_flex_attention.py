@@ -185,3 +185,22 @@ def test_flex_compiled_on_cuda_matches_reference(window):
     fm = build_flex_metadata(meta, NUM_BLOCKS, q_tile=128)
     got = flex_paged_attention(q, k_cache, v_cache, fm, 0.3, sliding_window=window, attend=compiled_flex_attention())
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, seqs, 0.3, window), atol=2e-5, rtol=2e-5)
+
+
+def test_chunks_sharing_prefix_blocks_in_one_tile():
+    """Two chunks over the same cached prefix (prefix-cache hits share physical blocks) in one
+    query tile: a shared block is listed once, each row still sees its own sequence's keys."""
+    k_cache, v_cache = _cache(seed=5)
+    shared = [7, 3]  # positions 0..7 of both sequences
+    tables = [shared + [11, 20], shared + [15, 21]]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=BS)
+    meta.prefills = [PrefillChunk(0, 4, 12, torch.tensor(tables[0])), PrefillChunk(4, 6, 14, torch.tensor(tables[1]))]
+    seqs = [(tables[0][:3], 8, 11, ()), (tables[1][:4], 8, 13, ())]
+    q = torch.randn(10, H, D, generator=torch.Generator().manual_seed(6))
+    fm = build_flex_metadata(meta, NUM_BLOCKS)
+    pre = fm.block_mask("prefill", None)
+    listed = pre.kv_indices[0, 0, 0, :pre.kv_num_blocks[0, 0, 0]].tolist()
+    assert sorted(listed) == [3, 7, 11, 15, 21]
+    _listed_only(fm, None)
+    got = flex_paged_attention(q, k_cache, v_cache, fm, 0.3)
+    torch.testing.assert_close(got, _reference(q, k_cache, v_cache, seqs, 0.3), atol=1e-5, rtol=1e-5)

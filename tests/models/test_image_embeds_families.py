@@ -18,7 +18,7 @@ from mmkit.multimodal.parse import parse_inputs
 from mmkit.testing import build_tiny_checkpoint, tiny_architectures
 
 N = 8
-SPAN_FAMILIES = ("Mistral3", "Idefics3", "SmolVLM", "Gemma3")
+SPAN_FAMILIES = ("Mistral3", "Idefics3", "SmolVLM", "Gemma3", "Lfm2Vl")
 # Sizes that tile / cut rows: Idefics3 and SmolVLM split it, Pixtral writes several rows.
 IMG, IMG2 = make_image(1, 90, 50), make_image(2, 40, 70)
 

@@ -2,7 +2,6 @@
 selects an adapter, `GET /v1/models` lists them beside the base model, and
 `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` add and drop them at run time."""
 
-from __future__ import annotations
 
 import json
 from typing import Any
@@ -65,7 +64,9 @@ async def load_adapter(engine: Any, registry: LoRARegistry, served_names: tuple[
 
 
 def add_lora_routes(app: Any, engine: Any, config: Any) -> None:
-    """The runtime-loading endpoints (before any catch-all mount)."""
+    """The runtime-loading endpoints (before any catch-all mount). NOTE: this module has no
+    `from __future__ import annotations`: FastAPI must see `Request` itself in the handlers'
+    signatures (a string annotation naming a local import would become a query parameter)."""
     from fastapi import Request
     from fastapi.responses import PlainTextResponse
 

@@ -190,3 +190,33 @@ def test_state_slots_come_out_of_the_kv_budget(ckpt):
     assert engine.block_manager.num_blocks == ((1 << 20) - state) // bytes_per_block(mc, 16)
     with pytest.raises(ValueError, match=r"after the hybrid decoder's 256 per-request state slots .* lower max_num_seqs"):
         LLM(str(ckpt), dtype="float32", kv_cache_memory=256 * mc.state_spec.bytes_per_slot(mc.dtype))
+
+
+def test_a_failed_step_recomputes_the_other_hybrid_sequences(ckpt, monkeypatch):
+    """An image that fails at scheduling time fails its request alone; the step is undone, and a
+    request that was decoding in it is recomputed from token 0 (its state may have moved)."""
+    from mmkit import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(ckpt), dtype="float32", async_preprocess=False))
+    stage = engine.input_stage
+    original = stage.mm_item_inputs
+
+    def failing(request_id, item):
+        if request_id == "bad":
+            raise RuntimeError("decoder exploded")
+        return original(request_id, item)
+
+    monkeypatch.setattr(stage, "mm_item_inputs", failing)
+    engine.add_request("good", "Write a haiku about the sea.", greedy())
+    for _ in range(5):
+        engine.step()
+    engine.add_request("bad", {"prompt": P_IMG, "multi_modal_data": {"image": IMG1}}, greedy())
+    final, errors = {}, {}
+    while engine.has_unfinished_requests():
+        result = engine.step_result()
+        errors.update(result.errors)
+        final.update((o.request_id, o) for o in result.outputs if o.finished)
+    assert list(errors) == ["bad"] and "decoder exploded" in str(errors["bad"])
+    assert list(final["good"].outputs[0].token_ids) == hf_greedy(ckpt, prompt="Write a haiku about the sea.")
+    m = engine.get_metrics()
+    assert m["state_slots_free"] == m["state_slots_total"]

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoProcessor
 
 from conftest import make_image
-from mmkit import LLM
+from mmkit import LLM, SamplingParams
 from mmkit.testing import build_tiny_llava
 from mmkit.testing.backend_parity import ParityCase, TransformersReference, assert_backend_parity
 from mmkit.testing.qwen2_vl import build_tiny_qwen2_vl
@@ -113,3 +113,18 @@ def test_the_masked_attention_path_reads_the_paged_cache_like_the_kernels(llava_
     cases = _cases(llava_ckpt, LLAVA_TEMPLATE)
     assert_backend_parity(llava_ckpt, cases, reference=TransformersReference(str(llava_ckpt)).greedy, max_tokens=8)
     assert calls
+
+
+def test_image_features_go_through_the_encoder_cache_keyed_by_content(qwen_ckpt):
+    cases = _qwen_cases(qwen_ckpt)
+    llm = LLM(str(qwen_ckpt), dtype="float32", model_impl="transformers", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.generate([cases[1].as_input()], greedy, use_tqdm=False)
+    calls = runner.num_vision_calls
+    again = llm.generate([cases[1].as_input()], greedy, use_tqdm=False)  # the same image: no tower call
+    assert runner.num_vision_calls == calls and llm.get_metrics()["encoder_cache_hits"] >= 1
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    other = ParityCase(cases[1].prompt, [IMG2])  # another image of the same prompt: encoded
+    llm.generate([other.as_input()], greedy, use_tqdm=False)
+    assert runner.num_vision_calls == calls + 1
