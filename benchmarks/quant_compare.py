@@ -1,6 +1,6 @@
 """bf16 vs online int8 / int4 weights, each in its own process, alternating, median of runs.
 
-    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/quant_compare.py [--runs 3] [--out benchmarks/results/round4]
+    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/quant_compare.py [--runs 3] [--out benchmarks/results/<YYYY-MM-DD>-<topic>]
 
 Batch 1: `latency.py --skip-hf --skip-load` (time per output token, p50, wall and this process's
 CPU time, and peak RSS) for
@@ -29,7 +29,7 @@ def run(cmd: list[str], out: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--out", default=str(HERE / "results" / "round4"))
+    p.add_argument("--out", default=str(HERE / "results" / "quant_compare"))
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--skip-throughput", action="store_true")
     args = p.parse_args()

@@ -5,7 +5,7 @@ Zen 2/3 and Intel before Ice Lake run these paths) and AVX-512 with BF16 (`-marc
 Why a test: gcc decides per inlined copy. In round 4l the softmax loops of the shared helper
 vectorized where one function inlined them and stayed scalar ("control flow in loop") where the
 AVX2 prefill tile did, and the results were right, so nothing failed; about 45% of that tile's
-time went to the scalar copy until a profile found it (benchmarks/README.md, round 4n). The
+time went to the scalar copy until a profile found it (benchmarks/HISTORY.md, round 4n). The
 pragma is the source's statement that a loop must be SIMD; gcc's own vectorizer remarks
 (`-fopt-info-vec-all`) say where it is not. Cross-compiling needs no such CPU: only gcc."""
 
