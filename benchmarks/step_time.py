@@ -48,6 +48,10 @@ def bare_runner(block_size: int) -> ModelRunner:
     runner.states = {}
     runner._fork_generators = {}
     runner.sampler_hooks = []
+    runner.state_cache = None  # no hybrid decoder's state
+    runner.lora_manager = None
+    runner.attention_backend = "torch"  # the CPU kernels: no per-step backend metadata
+    runner.num_cache_blocks = 0
     init = getattr(runner, "_init_batch_state", None)
     if init is not None:  # the persistent block tables (absent before they existed)
         init()

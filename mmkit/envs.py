@@ -42,6 +42,7 @@ one that is off by default is on for any value but "" and "0" (how they have alw
 | MMKIT_PANEL_MAX_ROWS       | auto           | bf16 rows up to which panels run (auto: 2 with AMX, else all)    |
 | MMKIT_QUANT_PANELS         | 1              | packed panels for quantized linears                              |
 | MMKIT_PACKED_LINEAR        | 1              | oneDNN-packed bf16 weights beside the panels                     |
+| MMKIT_BACKEND_PACKED_LINEAR| 1              | the transformers backend's linears on mmkit's packed `Linear`    |
 | MMKIT_GEMV_MAX_ROWS        | 16             | float32 rows up to which `Linear` runs the C GEMV (0: never)     |
 | MMKIT_PAGED_PREFILL        | 1              | the paged prefill attention kernel (0: one SDPA call per chunk)  |
 | MMKIT_KV_HUGEPAGES         | 0              | back the CPU KV cache with huge pages                            |
@@ -124,7 +125,8 @@ def _int(name: str, default: int) -> int:
 
 
 _ON_BY_DEFAULT = ("MMKIT_CPU_KERNELS", "MMKIT_DECODE_STACK", "MMKIT_FUSED_F32", "MMKIT_LINEAR_PANELS",
-                  "MMKIT_QUANT_PANELS", "MMKIT_PACKED_LINEAR", "MMKIT_PAGED_PREFILL")
+                  "MMKIT_QUANT_PANELS", "MMKIT_PACKED_LINEAR", "MMKIT_PAGED_PREFILL",
+                  "MMKIT_BACKEND_PACKED_LINEAR")
 _OFF_BY_DEFAULT = ("MMKIT_REQUIRE_CPU_KERNELS", "MMKIT_KERNEL_GENERIC", "MMKIT_KERNEL_NO_AVX512",
                    "MMKIT_KERNEL_CHECKS", "MMKIT_KV_HUGEPAGES")
 
@@ -164,6 +166,7 @@ MMKIT_FUSED_F32: bool
 MMKIT_LINEAR_PANELS: bool
 MMKIT_QUANT_PANELS: bool
 MMKIT_PACKED_LINEAR: bool
+MMKIT_BACKEND_PACKED_LINEAR: bool
 MMKIT_PAGED_PREFILL: bool
 MMKIT_REQUIRE_CPU_KERNELS: bool
 MMKIT_KERNEL_GENERIC: bool

@@ -20,17 +20,17 @@ The runner's interface (models/interfaces.py) maps onto the model's own methods:
 from __future__ import annotations
 
 import inspect
-import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import torch
-from torch import nn
-
 from mmkit.models.interfaces import MultiModalKwargs, decoder_sliding_window
 from mmkit.models.transformers_backend import attention
 from mmkit.models.transformers_backend.qualify import transformers_class
 from mmkit.models.transformers_backend.quirks import quirks_of
+from torch import nn
+
+from mmkit import envs
 
 # Keys of an item's model inputs that belong to mmkit (the span), not to get_image_features.
 SPAN_IDS_KEY = "mmkit_span_ids"
@@ -147,7 +147,7 @@ class TransformersBackendModel(nn.Module):
             if getattr(module, name).dtype != fp32.dtype:
                 setattr(module, name, fp32.to(getattr(module, name).device))
         self._fp32_buffers = []
-        if os.environ.get("MMKIT_BACKEND_PACKED_LINEAR", "1") == "0":  # A/B: transformers' own linears
+        if not envs.MMKIT_BACKEND_PACKED_LINEAR:  # A/B: transformers' own linears
             return 0
         from mmkit.models.transformers_backend.linear import swap_linears
 

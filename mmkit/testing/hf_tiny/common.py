@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmkit.testing.llava import build_tokenizer
+from mmkit.testing import build_tokenizer
 
 __all__ = ["build_tokenizer", "randomize_constant_weights", "save_checkpoint"]
 
