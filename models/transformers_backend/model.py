@@ -121,11 +121,21 @@ class TransformersBackendModel(nn.Module):
         load = dict(config=self.config, dtype=dtype or torch.float32, device_map=str(device or "cpu"),
                     local_files_only=True)
         try:
-            hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="sdpa", **load)
-        except ValueError as err:  # a sub-model without SDPA (Gemma 2 in PaliGemma 2): eager there
-            if "scaled_dot_product_attention" not in str(err):
-                raise
-            hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="eager", **load)
+            try:
+                hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="sdpa", **load)
+            except ValueError as err:  # a sub-model without SDPA (Gemma 2 in PaliGemma 2): eager there
+                if "scaled_dot_product_attention" not in str(err):
+                    raise
+                hf_model = self.hf_class.from_pretrained(str(path), attn_implementation="eager", **load)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            # transformers itself cannot build this class from this config (a config written
+            # for another architecture, fields missing): say so, with what mmkit runs natively.
+            from mmkit.models.registry import ModelRegistry
+
+            raise ValueError(
+                f"model: transformers' {self.hf_class.__name__} could not be built from {path}/config.json "
+                f"({type(exc).__name__}: {exc}); model_impl='transformers' runs what transformers itself "
+                f"loads. mmkit's native families: {', '.join(ModelRegistry.get_supported_archs())}") from exc
         self.hf_model = hf_model.eval()
         self.language_model = language_model_of(hf_model)
         self.language_model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
