@@ -98,11 +98,18 @@ def test_int4_kernels_at_group_sizes_below_or_across_32(group_size, rows):
     assert torch.equal(qw.dequantize(), ref)
     assert torch.equal(dequantize(qw, torch.float32), ref)
     x = torch.randn(rows, k)
+    # float32 sums of k products in another order: the error bound scales with sum |x| |w|
+    # (a result near 0 from large terms cancelling differs by more than 1e-5 on some CPUs).
+    bound = 1e-6 * (x.abs() @ ref.abs().T) + 1e-6
+
+    def check(out: torch.Tensor) -> None:
+        assert ((out - x @ ref.T).abs() <= bound).all(), (out - x @ ref.T).abs().max()
+
     gemv = quant_gemm(x, qw)
     if gemv is not None:
-        torch.testing.assert_close(gemv, x @ ref.T, rtol=1e-5, atol=1e-5)
+        check(gemv)
     layer = QuantizedLinear(qw, None)
-    torch.testing.assert_close(layer(x), x @ ref.T, rtol=1e-5, atol=1e-5)
+    check(layer(x))
     from mmkit.layers import quant_panels
     assert layer.pack(torch.bfloat16) == quant_panels.available()  # the quantized panels where this CPU has them
     xb = x.bfloat16()
