@@ -12,9 +12,11 @@ from __future__ import annotations
 # NOTE: OpenMP's environment (OMP_WAIT_POLICY, GOMP_SPINCOUNT) is set by the package's
 # __init__, which runs before this module and before torch loads.
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -84,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="items admitted to the engine at once (bounds memory; default 2 x max_num_seqs)")
     _ray_flags(p)
     _common(p)
-    from mmkit.entrypoints.openai.cli_args import add_serve_arguments  # argparse only: stays light
+    from mmkit.entrypoints.openai.cli_args import (
+        add_serve_arguments,  # argparse only: stays light
+    )
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1/chat/completions, ...)",
                        description="Serve the model over HTTP with OpenAI's API; prints the URL when ready. "
@@ -150,10 +154,22 @@ def question_inputs(llm, image, question: str) -> dict:
     return conversations_to_inputs(processor, messages)[0]
 
 
-def cmd_caption(args) -> int:
-    from mmkit.multimodal.image_io import load_image
+@contextlib.contextmanager
+def _sigint_deferred():
+    """SIGINT blocked for the block (POSIX); delivered, as KeyboardInterrupt, right after it."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
+
+def cmd_caption(args) -> int:
     from mmkit.entrypoints.cli.batch import generate_in_order
+    from mmkit.multimodal.image_io import load_image
 
     params = _beam_params(args) if args.beam_width != 1 else _params(args)
     # An unreadable image is reported (path and reason) and skipped; the others are captioned.
@@ -171,9 +187,12 @@ def cmd_caption(args) -> int:
         args.num_items, args.num_done = len(images), 0
 
         def show(i: int, out) -> None:
-            args.num_done += 1
             text = out.outputs[0].text.strip()
-            print(text if len(args.images) == 1 else f"{paths[i]}\t{text}", flush=True)
+            # A Ctrl-C waits until the caption is printed AND counted, so the "N of M" line
+            # always names what was printed (it may land between any two bytecodes otherwise).
+            with _sigint_deferred():
+                print(text if len(args.images) == 1 else f"{paths[i]}\t{text}", flush=True)
+                args.num_done += 1
 
         if args.beam_width != 1:  # every image's beams advance together: the best beams print at the end
             for i, out in enumerate(llm.beam_search(inputs, params, use_tqdm=len(images) > 1 and not args.no_progress)):
@@ -290,8 +309,8 @@ def _serve_on_ray(args) -> int:
 
 def cmd_eval_ray(args, params) -> int:
     try:
-        from mmkit.ray.cluster import RayStartError, init_ray
         from mmkit.eval.ray_eval import EvalData, run_ray_evaluation
+        from mmkit.ray.cluster import RayStartError, init_ray
     except ImportError as exc:
         raise ValueError(f"--ray: needs the ray extra ({exc}); from a clone: pip install -e '.[ray]'") from exc
     from mmkit.eval.evaluation import ResultsFile
