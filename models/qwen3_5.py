@@ -241,8 +241,14 @@ class Qwen3_5TextModel(nn.Module):
         # transformers' own rotary (partial dims, its mrope_section default): the table's width
         # is the rotary dims; interleaved M-RoPE as Qwen3-VL.
         hf_rotary = Qwen3_5TextRotaryEmbedding(config)
+
+        def text_rotary(x: torch.Tensor, position_ids: torch.Tensor):
+            # The three M-RoPE rows all equal the text positions: transformers 5.17 takes only
+            # [3, batch, positions] (newer releases also take [batch, positions]).
+            return hf_rotary(x, position_ids.expand(3, -1, -1))
+
         self.rotary = RotaryEmbedding(config, max_positions, list(hf_rotary.mrope_section), mrope_interleaved=True,
-                                      hf_rotary=hf_rotary)
+                                      hf_rotary=text_rotary)
 
     def fuse_weights(self) -> None:
         for layer in self.layers:

@@ -20,6 +20,7 @@ RANGED = ("torch", "torchvision", "transformers")  # the packages whose range CI
 # spans-from-the-processor checks.
 PARITY_TESTS = ["tests/models/llava", "tests/models/qwen2_vl", "tests/models/qwen3_vl", "tests/models/gemma3",
                 "tests/models/idefics3", "tests/models/internvl", "tests/models/mistral3",
+                "tests/models/qwen3_5", "tests/models/lfm2_vl", "tests/models/transformers_backend",
                 "tests/models/test_second_configs.py", "tests/models/test_tied_embeddings.py",
                 "tests/multimodal/test_processor_spans.py"]
 
