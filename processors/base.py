@@ -106,7 +106,7 @@ class BaseInputProcessor:
 
         hf = AutoProcessor.from_pretrained(path, local_files_only=True)
         self.hf_processor = hf
-        self.tokenizer = hf.tokenizer
+        self.tokenizer = getattr(hf, "tokenizer", None) or hf  # a tokenizer-only checkpoint: itself
         self.image_processor = getattr(hf, "image_processor", None)
         if "video" in self.supported_modalities:
             self.video_processor = getattr(hf, "video_processor", None)

@@ -19,44 +19,44 @@ write the same number of image tokens (never a silent misalignment).
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import torch
-
-from mmkit.multimodal.parse import ParsedPrompt
-from mmkit.models.interfaces import MultiModalKwargs, PlaceholderRange
-from mmkit.models.transformers_backend.model import FEATURE_MASK_KEY, SPAN_IDS_KEY, rope_index_owner
+from mmkit.models.transformers_backend.model import (
+    FEATURE_MASK_KEY,
+    SPAN_IDS_KEY,
+    rope_index_owner,
+)
 from mmkit.models.transformers_backend.qualify import transformers_class
 from mmkit.models.transformers_backend.quirks import quirks_of
-from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.replacements import ReplacementProbe, call_processor, expand_text, expand_token_ids
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import (
+    ReplacementProbe,
+    call_processor,
+    expand_text,
+    expand_token_ids,
+)
 from mmkit.processors.spans import SpanItem, checked_token_ids
+
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.parse import ParsedPrompt
 
 # Processor outputs that are the text, not an item's model inputs.
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets")
 
 
-class TransformersInputProcessor:
-    """The `InputProcessor` of the transformers backend (images; see the module docstring)."""
+class TransformersInputProcessor(BaseInputProcessor):
+    """The `InputProcessor` of the transformers backend (images; see the module docstring).
 
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+    Its processor options are whatever the checkpoint's own processor takes: any dict is passed
+    through (transformers checks the keys it knows)."""
 
     def __init__(self, model_config, tokenizer_path: str, limit_mm_per_prompt: Mapping[str, int],
                  mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
-
-        self.model_config = model_config
-        self.architecture = model_config.architecture
-        self.hf_processor = AutoProcessor.from_pretrained(tokenizer_path, local_files_only=True)
-        self.tokenizer = getattr(self.hf_processor, "tokenizer", None) or self.hf_processor
-        self.image_processor = getattr(self.hf_processor, "image_processor", None)
-        self.chat_template = (getattr(self.hf_processor, "chat_template", None)
-                              or getattr(self.tokenizer, "chat_template", None))
-        self.vocab_size = model_config.vocab_size
-        self.max_images = int(limit_mm_per_prompt.get("image", 8))
-        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
-            raise TypeError(f"mm_processor_kwargs: got {type(mm_processor_kwargs).__name__}; expected a dict")
-        self.default_kwargs = dict(mm_processor_kwargs or {})
+        super().__init__(model_config, tokenizer_path, limit_mm_per_prompt, mm_processor_kwargs)
+        self.architecture = self.name
+        self.load_hf_processor(tokenizer_path)
+        self.chat_template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         image_token = getattr(self.hf_processor, "image_token", None)
         # The token whose positions the model's features fill: the one the model's own merge
         # looks for (its config's image token id), else the processor's.
@@ -71,6 +71,14 @@ class TransformersInputProcessor:
         cls = transformers_class(self.architecture)
         self.has_rope_index = cls is not None and _has_rope_index(cls, model_config.hf_config)
 
+    def check_mm_processor_kwargs(self, where: str, kwargs: Any) -> dict[str, Any]:
+        """Any dict: the checkpoint's processor takes its own options."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"{where}: got {type(kwargs).__name__}; expected a dict")
+        return dict(kwargs)
+
     # ------------------------------------------------------------------ up front (cheap)
     def process(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         where = f"inputs[{parsed.index}]"
@@ -80,14 +88,9 @@ class TransformersInputProcessor:
         if parsed.video_data is not None:
             raise ValueError(f"{where}.multi_modal_data: videos are not supported with model_impl='transformers' "
                              f"({self.architecture}); pass images")
-        if parsed.mm_processor_kwargs is not None and not isinstance(parsed.mm_processor_kwargs, Mapping):
-            raise TypeError(f"{where}.mm_processor_kwargs: got {type(parsed.mm_processor_kwargs).__name__}; "
-                            "expected a dict")
-        kwargs = {**self.default_kwargs, **dict(parsed.mm_processor_kwargs or {})}
+        kwargs = self.request_options(where, parsed)
         images = list(parsed.images)
-        if len(images) > self.max_images:
-            raise ValueError(f"{where}.multi_modal_data: got {len(images)} images; expected at most "
-                             f"limit_mm_per_prompt['image'] = {self.max_images}")
+        self.check_item_counts(where, {"image": len(images)})
         if images and self.probe is None:
             raise ValueError(f"{where}.multi_modal_data: {self.architecture}'s processor has no image token; "
                              "it takes no images")
