@@ -119,8 +119,8 @@ class ErrorPolicy(enum.Enum):
     DEAD_ENGINE = "dead_engine"  # the async engine's: every waiter fails, the engine stays dead
 
 
-# One admission: a request id and the call that validates and prepares it (a `ValueError` /
-# `TypeError` from it is a bad input), returning what `RequestDriver.add` takes.
+# One admission: a request id and the call that validates and prepares it, returning what
+# `RequestDriver.add` takes (what it raises is a bad input: see each policy in `drive`).
 Admission = tuple[str, Callable[[], tuple[Any, SamplingParams]]]
 
 
@@ -133,8 +133,8 @@ def drive(driver: RequestDriver, admissions: Iterable[Admission], *, policy: Err
     ALL_OR_NOTHING prepares every admission before adding any (a bad input raises and leaves
     nothing behind; `window` is ignored) and raises an engine error after aborting the call's
     requests. PER_ITEM prepares each admission as it enters the window (any failure of an item's
-    input goes to `on_error`, and the item is never added) and turns an engine error into `on_error` for every request
-    in flight, then goes on with the rest.
+    input goes to `on_error`, and the item is never added) and turns an engine error into
+    `on_error` for every request in flight, then goes on with the rest.
     """
     if policy is ErrorPolicy.DEAD_ENGINE:
         raise ValueError("drive: DEAD_ENGINE is the async engine's own loop; use ALL_OR_NOTHING or PER_ITEM")
