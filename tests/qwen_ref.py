@@ -48,3 +48,33 @@ def hf_qwen_greedy(path, prompt, images=None, videos=None, max_new_tokens=32, mm
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def assert_chat_and_serve_equal_transformers(ckpt, image, max_tokens: int = 12) -> None:
+    """`LLM.chat` on one image renders the checkpoint's chat template as transformers' processor
+    does and gives transformers' greedy ids (float32); an OpenAI chat completion from `mmkit
+    serve` with the same messages gives the same text."""
+    import openai
+
+    from mmkit import LLM, SamplingParams
+    from serve_utils import ServerProcess, data_uri, image_message
+
+    messages = image_message(data_uri(image), "Describe it.")
+    out = LLM(str(ckpt), dtype="float32").chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens),
+                                               use_tqdm=False)[0]
+    model, processor = hf_qwen(str(ckpt))
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    prompt = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt == prompt
+    inputs = hf_inputs(ckpt, prompt, [image])
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    server = ServerProcess("--model", str(ckpt), "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=max_tokens)
+        assert reply.choices[0].message.content == out.outputs[0].text
+    finally:
+        assert server.stop() == 0, server.output()[-3000:]

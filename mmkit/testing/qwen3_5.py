@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from mmkit.testing.qwen2_vl import CHAT_TEMPLATE, SPECIAL_TOKENS, build_qwen_tokenizer
+from mmkit.testing.qwen2_vl import SPECIAL_TOKENS, build_qwen_tokenizer
+from mmkit.testing.qwen3_vl import save_generation_and_processor
 
 
 # The parity tests' second configuration (tests/models/test_second_configs.py): 3 layers (two Gated
@@ -91,13 +92,6 @@ def build_tiny_qwen3_5(out_dir: str | Path, *, seed: int = 0, moe: bool = False,
             elif ".experts." in name:  # initialised with std 0.02 whatever initializer_range says
                 p.normal_(0.0, init_std)
     model.save_pretrained(out)
-    tf.GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
-                        pad_token_id=text["pad_token_id"]).save_pretrained(out)
-    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-    image_processor = tf.Qwen2VLImageProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2)
-    video_processor = tf.Qwen3VLVideoProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2,
-                                               fps=video_fps, min_frames=2, cap_pixels_per_frame=False)
-    processor = tf.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out)
+    save_generation_and_processor(out, text, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
+                                  patch_size=patch_size, video_fps=video_fps)
     return out

@@ -88,15 +88,8 @@ def build_tiny_qwen3_vl(out_dir: str | Path, *, seed: int = 0, moe: bool = False
                 if ".experts." in name:
                     p.normal_(0.0, init_std)
     model.save_pretrained(out)
-    tf.GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
-                        pad_token_id=text["pad_token_id"]).save_pretrained(out)
-    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-    image_processor = tf.Qwen2VLImageProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2)
-    video_processor = tf.Qwen3VLVideoProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2,
-                                               fps=video_fps, min_frames=2, cap_pixels_per_frame=False)
-    processor = tf.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out)
+    save_generation_and_processor(out, text, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
+                                  patch_size=patch_size, video_fps=video_fps)
     return out
 
 
@@ -122,3 +115,21 @@ def rewrite_qwen3_hub_layout(src: str | Path, dst: str | Path, num_shards: int =
     config.update(torch_dtype="float32", transformers_version="4.57.0")
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def save_generation_and_processor(out: Path, text: dict, tokenizer, *, min_pixels: int, max_pixels: int,
+                                  patch_size: int, video_fps: float) -> None:
+    """The generation config (ids from the text config dict) and the Qwen3-VL processor (image and
+    video processors at these sizes, the shared chat template), as transformers saves them; the
+    Qwen3.5 builder writes the same processor."""
+    import transformers as tf
+
+    tf.GenerationConfig(bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"],
+                        pad_token_id=text["pad_token_id"]).save_pretrained(out)
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image_processor = tf.Qwen2VLImageProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2)
+    video_processor = tf.Qwen3VLVideoProcessor(size=size, patch_size=patch_size, temporal_patch_size=2, merge_size=2,
+                                               fps=video_fps, min_frames=2, cap_pixels_per_frame=False)
+    processor = tf.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out)
