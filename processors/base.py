@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
-from mmkit.processors.mm_kwargs import OptionRule, check_mm_processor_kwargs
 
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.items import MultiModalItem
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.mm_kwargs import OptionRule, check_mm_processor_kwargs
 
 
 @dataclass

@@ -20,25 +20,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
-from mmkit.processors.replacements import (
-    ReplacementProbe,
-    call_processor,
-    check_feature_rows,
-    expand_text,
-    expand_token_ids,
-)
-from mmkit.processors.span_embeds_input import (
-    GivenSpanItem,
-    given_item_inputs,
-    given_span_embeds,
-    sized_or_one_view,
-)
-from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, POSITIVE_NUMBER
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds, sized_or_one_view
+from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 
 # Gemma3Processor's image options (vLLM's `mm_processor_kwargs` for Gemma 3).
 ALLOWED_MM_PROCESSOR_KWARGS = {"do_pan_and_scan": BOOL, "pan_and_scan_min_crop_size": POSITIVE_INT,

@@ -17,26 +17,16 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping
 
 import torch
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
-from mmkit.processors.replacements import (
-    ReplacementProbe,
-    call_processor,
-    check_feature_rows,
-    expand_text,
-    expand_token_ids,
-)
-from mmkit.processors.span_embeds_input import (
-    GivenSpanItem,
-    given_item_inputs,
-    given_span_embeds,
-    sized_or_one_view,
-)
-from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 
 from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.multimodal.video import parse_videos
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.mm_kwargs import BOOL, OptionRule, is_positive_int
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds, sized_or_one_view
+from mmkit.processors.spans import SpanItem, check_text_placeholders, checked_token_ids
 
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`), applied to images.

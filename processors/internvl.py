@@ -17,14 +17,13 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from mmkit.models.internvl import tokens_per_tile
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
+from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.processors.base import ProcessedPrompt
 from mmkit.processors.llava import LlavaInputProcessor
 from mmkit.processors.mm_kwargs import BOOL, POSITIVE_INT, check_min_le_max
 from mmkit.processors.replacements import Replacement, call_processor
-
-from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
-from mmkit.multimodal.items import ImageItem
-from mmkit.multimodal.parse import ParsedPrompt
 
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_patches": POSITIVE_INT, "max_patches": POSITIVE_INT, "crop_to_patches": BOOL}
 _LAYOUT_PREFIX = "internvl_tiling="

@@ -11,20 +11,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from mmkit.models.registry import get_model_class
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.replacements import (
-    Replacement,
-    ReplacementProbe,
-    check_feature_rows,
-    count_tokens,
-    expand_text,
-    feature_run,
-)
 
+from mmkit.models.registry import get_model_class
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import (Replacement, ReplacementProbe, check_feature_rows, count_tokens,
+                                           expand_text, feature_run)
 
 # ImageItem.layout of an image that is encoded as its base view alone (OneVision, multi-image).
 BASE_VIEW = "base_view"

@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from mmkit.processors.base import ProcessedPrompt
-from mmkit.processors.llava import BASE_VIEW, LlavaInputProcessor
-from mmkit.processors.replacements import Replacement
-
 from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.base import ProcessedPrompt
+from mmkit.processors.llava import BASE_VIEW, LlavaInputProcessor
+from mmkit.processors.replacements import Replacement
 
 
 class LlavaNextInputProcessor(LlavaInputProcessor):

@@ -12,23 +12,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.replacements import (
-    ReplacementProbe,
-    call_processor,
-    check_feature_rows,
-    expand_text,
-    expand_token_ids,
-)
-from mmkit.processors.span_embeds_input import (
-    GivenSpanItem,
-    given_item_inputs,
-    given_span_embeds,
-)
-from mmkit.processors.spans import SpanItem, checked_token_ids
 
 from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import (ReplacementProbe, call_processor, check_feature_rows, expand_text,
+                                           expand_token_ids)
+from mmkit.processors.span_embeds_input import GivenSpanItem, given_item_inputs, given_span_embeds
+from mmkit.processors.spans import SpanItem, checked_token_ids
 
 
 class Mistral3InputProcessor(BaseInputProcessor):

@@ -20,26 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 import torch
-from mmkit.models.mrope import MRopeItem, mrope_positions
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
-from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
-from mmkit.processors.replacements import (
-    Replacement,
-    ReplacementProbe,
-    call_processor,
-    check_feature_rows,
-    check_placeholder_counts,
-    expand_text,
-    expand_token_ids,
-    feature_run,
-)
-from mmkit.processors.spans import checked_token_ids
 
+from mmkit.models.mrope import MRopeItem, mrope_positions
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.items import ImageItem
 from mmkit.multimodal.parse import ParsedPrompt
 from mmkit.multimodal.video import parse_videos
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.mm_kwargs import POSITIVE_INT, POSITIVE_NUMBER, check_min_le_max
+from mmkit.processors.qwen_embeds import GivenEmbedsItem, given_image_items
+from mmkit.processors.replacements import (Replacement, ReplacementProbe, call_processor, check_feature_rows,
+                                           check_placeholder_counts, expand_text, expand_token_ids, feature_run)
+from mmkit.processors.spans import checked_token_ids
 
 # Per-request processor options (vLLM's `mm_processor_kwargs`) mmkit passes to the HF processor.
 ALLOWED_MM_PROCESSOR_KWARGS = {"min_pixels": POSITIVE_INT, "max_pixels": POSITIVE_INT, "fps": POSITIVE_NUMBER}

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
 from mmkit.models.mrope import MRopeItem
+from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.processors.qwen2_vl import Qwen2VLInputProcessor, VisionItem
 from mmkit.processors.replacements import Replacement, check_feature_rows
-
-from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 
 
 @dataclass

@@ -22,24 +22,15 @@ import inspect
 from typing import Any, Mapping
 
 import torch
-from mmkit.models.transformers_backend.model import (
-    FEATURE_MASK_KEY,
-    SPAN_IDS_KEY,
-    rope_index_owner,
-)
+
+from mmkit.models.transformers_backend.model import FEATURE_MASK_KEY, SPAN_IDS_KEY, rope_index_owner
 from mmkit.models.transformers_backend.qualify import transformers_class
 from mmkit.models.transformers_backend.quirks import quirks_of
-from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
-from mmkit.processors.replacements import (
-    ReplacementProbe,
-    call_processor,
-    expand_text,
-    expand_token_ids,
-)
-from mmkit.processors.spans import SpanItem, checked_token_ids
-
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange
 from mmkit.multimodal.parse import ParsedPrompt
+from mmkit.processors.base import BaseInputProcessor, ProcessedPrompt
+from mmkit.processors.replacements import ReplacementProbe, call_processor, expand_text, expand_token_ids
+from mmkit.processors.spans import SpanItem, checked_token_ids
 
 # Processor outputs that are the text, not an item's model inputs.
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets")

@@ -12,12 +12,7 @@ from tqdm.auto import tqdm
 from mmkit.config import EngineArgs
 from mmkit.engine.llm_engine import LLMEngine
 from mmkit.engine.request_driver import ErrorPolicy, RequestDriver, drive
-from mmkit.entrypoints.beam_search import (
-    BeamSearchOutput,
-    BeamSearchParams,
-    check_beams_fit,
-    run_beam_search,
-)
+from mmkit.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, check_beams_fit, run_beam_search
 from mmkit.entrypoints.chat_utils import conversations_to_inputs
 from mmkit.errors import RequestFailedError
 from mmkit.lora.engine_checks import lora_request_list
