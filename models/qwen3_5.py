@@ -289,9 +289,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     @classmethod
     def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
-        # The Qwen3.5 tower has no DeepStack mergers (Qwen3-VL's declaration undone).
-        return replace(super().get_capabilities(hf_config), deepstack_num_layers=0,
-                       state_spec=qwen3_5_state_spec(hf_config.get_text_config()))
+        return replace(super().get_capabilities(hf_config), state_spec=qwen3_5_state_spec(hf_config.get_text_config()))
+
+    @classmethod
+    def deepstack_layers(cls, hf_config: Any) -> int:
+        return 0  # the Qwen3.5 tower has no DeepStack mergers
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

@@ -36,8 +36,12 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     @classmethod
     def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
-        return replace(super().get_capabilities(hf_config),
-                       deepstack_num_layers=len(hf_config.vision_config.deepstack_visual_indexes))
+        return replace(super().get_capabilities(hf_config), deepstack_num_layers=cls.deepstack_layers(hf_config))
+
+    @classmethod
+    def deepstack_layers(cls, hf_config: Any) -> int:
+        """One DeepStack feature set per `deepstack_visual_indexes` entry of the tower."""
+        return len(hf_config.vision_config.deepstack_visual_indexes)
 
     def _build_decoder(self, text, max_positions: int):
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
