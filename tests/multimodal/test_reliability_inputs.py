@@ -156,7 +156,7 @@ def test_bad_image_list_items(llm, monkeypatch):
 ])
 def test_bad_image_embeds(llm, monkeypatch, make, exc, fragments):
     cfg = llm.llm_engine.config.model
-    data = make(cfg.image_seq_length, cfg.hidden_size)
+    data = make(cfg.capabilities.image_seq_length, cfg.hidden_size)
     bad = {"prompt": PROMPT, "multi_modal_data": MultiModalData(type=EMBEDS, data=data)}
     assert_rejected(llm, bad, exc, "multi_modal_data", *fragments, monkeypatch=monkeypatch)
 
