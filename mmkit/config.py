@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from mmkit.models.interfaces import ModelCapabilities
 
 _DTYPES = {
     "float32": torch.float32,
@@ -50,26 +53,17 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     image_token_id: int | None
-    image_seq_length: int | None  # placeholder tokens per image after expansion
-    # Each decoder layer's sliding attention window in tokens, None for a global layer (read
-    # from the HF config as transformers does: mmkit/layers/sliding_window.py).
-    layer_sliding_windows: tuple[int | None, ...] = ()
+    # What the family declares for this checkpoint (`get_capabilities(hf_config)` of its model
+    # class, models/interfaces.py): sliding layers, a fixed image token count, bidirectional
+    # spans, 3-D positions, DeepStack columns, a hybrid decoder's state. Generic code reads these
+    # here, never from the model object or the family's HF config fields.
+    capabilities: ModelCapabilities
     # Quantized weights (models/quantization.py): a compressed-tensors checkpoint's config or
     # the online method asked for; None = the checkpoint's floats in `dtype`.
     quantization: Any = None
     # Which implementation runs it: "mmkit" (a registered family) or "transformers" (the
     # backend: transformers' own modules on mmkit's paged KV cache), chosen from `model_impl`.
     model_impl: str = "mmkit"
-    # A hybrid decoder's per-request state (mmkit/layers/state_spec.py), from the family's
-    # `get_state_spec(hf_config)`; None: KV blocks only.
-    state_spec: Any = None
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The window when every layer slides: KV blocks entirely before it are freed."""
-        from mmkit.layers.sliding_window import kv_window
-
-        return kv_window(list(self.layer_sliding_windows))
 
 
 @dataclass(frozen=True)
@@ -334,7 +328,6 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
 
 
 def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
-    from mmkit.layers.sliding_window import layer_windows
     from mmkit.models.registry import ModelRegistry
 
     from transformers import AutoConfig
@@ -343,9 +336,10 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     architecture, model_impl = ModelRegistry.select(hf_config, args.model_impl)
-    # What the family declares (mmkit.models.interfaces.SupportsMultiModal); generic code
-    # never looks at the family's own config fields.
+    # What the family declares (mmkit.models.interfaces.ModelCapabilities), read once here;
+    # generic code never looks at the family's own config fields.
     model_cls = ModelRegistry.resolve(architecture, model_impl)[0]
+    capabilities = _capabilities(model_cls, hf_config)
     # Checked here, before any weight is read: an unsupported method fails with its name.
     quantization = QuantizationSpec.from_config(hf_config, args.quantization, args.quantization_config)
     text = hf_config.get_text_config()
@@ -371,16 +365,28 @@ def _build_model_config(path: Path, args: EngineArgs) -> ModelConfig:
         num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         image_token_id=image_token_id,
-        image_seq_length=_declared(model_cls, "get_image_seq_length", hf_config),
-        layer_sliding_windows=tuple(layer_windows(text)),
+        capabilities=capabilities,
         quantization=quantization,
         model_impl=model_impl,
-        state_spec=getattr(model_cls, "get_state_spec", lambda _config: None)(hf_config),
     )
 
 
-def _declared(model_cls: type, name: str, hf_config: Any) -> int | None:
-    """A family's declaration `model_cls.<name>(hf_config)`; None when it declares nothing."""
-    method = getattr(model_cls, name, None)
-    value = None if method is None else method(hf_config)
-    return None if value is None else int(value)
+def _capabilities(model_cls: type, hf_config: Any) -> ModelCapabilities:
+    """The family's one declaration, checked against the config it describes."""
+    from mmkit.models.interfaces import ModelCapabilities
+
+    declare = getattr(model_cls, "get_capabilities", None)
+    if declare is None:
+        raise TypeError(f"model: {model_cls.__name__} declares no get_capabilities(hf_config) classmethod; "
+                        "a model class implements mmkit.models.interfaces.SupportsMultiModal (subclass "
+                        "DecoderLMMixin for the default declaration)")
+    capabilities = declare(hf_config)
+    if not isinstance(capabilities, ModelCapabilities):
+        raise TypeError(f"model: {model_cls.__name__}.get_capabilities returned {type(capabilities).__name__}; "
+                        "expected mmkit.models.interfaces.ModelCapabilities")
+    num_layers = hf_config.get_text_config().num_hidden_layers
+    if len(capabilities.layer_sliding_windows) != num_layers:
+        raise ValueError(f"model: {model_cls.__name__}.get_capabilities declares "
+                         f"{len(capabilities.layer_sliding_windows)} layer sliding windows; expected one per "
+                         f"decoder layer ({num_layers})")
+    return capabilities

@@ -26,6 +26,7 @@ bidirectional span (transformers' `token_type_ids` mask).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -36,7 +37,7 @@ from transformers import AutoModel
 from mmkit.layers.attention import AttentionMetadata
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.sliding_window import layer_windows
-from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
+from mmkit.models.interfaces import DecoderLMMixin, ModelCapabilities, MultiModalKwargs
 from mmkit.models.llama import Linear, LlamaMLP, LlamaModel
 from mmkit.models.qwen3 import Qwen3Attention
 from mmkit.models.registry import check_text_model, ties_word_embeddings
@@ -148,6 +149,12 @@ class Gemma3ForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = ties_word_embeddings(config)
         self.final_logit_softcapping = getattr(text, "final_logit_softcapping", None)
+
+    @classmethod
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        """Sliding/global layers (the default reads them) and each run of image soft tokens
+        attended bidirectionally (transformers' `token_type_ids` mask)."""
+        return replace(super().get_capabilities(hf_config), bidirectional_spans=True)
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

@@ -1,12 +1,15 @@
 """What a multimodal model family implements so the engine can run it unchanged.
 
 A family is two classes and one `ModelRegistry.register_model` line per architecture: a
-model class in `models/<family>.py` that implements `SupportsMultiModal` (and `SupportsMRoPE`
-for 3-D rotary positions) and declares what generic code needs (`check_config`,
-`get_sliding_window`, `get_image_seq_length`), and an input processor in
-`processors/<family>.py` (`processors/base.py`: its modalities, its `mm_processor_kwargs`
-checks). The engine, scheduler
-and runner never look at a family's tensors: they move
+model class in `models/<family>.py` that implements `SupportsMultiModal` and declares what
+generic code needs ONCE, as a `ModelCapabilities` from its `get_capabilities(hf_config)`
+classmethod (sliding layers, a fixed image token count, bidirectional spans, 3-D positions,
+DeepStack columns, recurrent state; `DecoderLMMixin` gives the default, a family overrides
+what differs), plus `check_config`; and an input processor in `processors/<family>.py`
+(`processors/base.py`: its modalities, its `mm_processor_kwargs` checks). `mmkit/config.py`
+keeps the declaration in `ModelConfig.capabilities`; the engine, scheduler, runner, KV cache
+sizing, memory profile and CUDA graphs read it there, never from the model object or the HF
+config. They never look at a family's tensors either: they move
 
 - placeholder ranges (`PlaceholderRange`, decided by the processor from
   `get_num_placeholder_tokens`) with each request,
@@ -15,10 +18,11 @@ and runner never look at a family's tensors: they move
 - the item embeddings it returns into the placeholder rows of a step, always through
   `merge_multimodal_embeddings` (the one merge; it handles chunked prefill).
 
-Extra position rows (M-RoPE) are data computed by the processor when a request is added
-(`ProcessedPrompt.mrope_positions`, `[3, num_prompt_tokens]`, and `mrope_position_delta`);
-the runner slices them per step and passes `positions` of shape `[3, num_tokens]` to
-`forward` (generated token at index p gets position `p + delta` in all three rows).
+Extra position rows (M-RoPE, `ModelCapabilities.uses_mrope`) are data computed by the
+processor when a request is added (`ProcessedPrompt.mrope_positions`, `[3, num_prompt_tokens]`,
+and `mrope_position_delta`); the runner slices them per step and passes `positions` of shape
+`[3, num_tokens]` to `forward` (generated token at index p gets position `p + delta` in all
+three rows).
 """
 
 from __future__ import annotations
@@ -28,8 +32,62 @@ from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from mmkit.layers.sliding_window import kv_window, layer_windows
+from mmkit.layers.state_spec import StateSpec
+
 # The request-carried types live in mmkit/multimodal/inputs.py; re-exported for the families.
 from mmkit.multimodal.inputs import MultiModalKwargs, PlaceholderRange  # noqa: F401 (re-export)
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What generic code needs to know about a family for one checkpoint config, declared once
+    by the model class (`get_capabilities(hf_config)`) and kept in `ModelConfig.capabilities`.
+
+    A declaration is a promise about the family's own computation: a family that declares
+    sliding windows applies them in its attention layers, one that declares `uses_mrope` reads
+    `[3, T]` positions, and so on; generic code sizes and schedules from the declaration alone.
+    """
+
+    # One entry per decoder layer: its sliding attention window in tokens (the query at p sees
+    # keys in (p - W, p]), None for a global layer. When every layer slides, the block manager
+    # frees blocks out of the window; CUDA decode graphs build one mask per distinct window.
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    # Placeholder tokens of every image when the count is fixed whatever the image (LLaVA-1.5);
+    # None when it depends on the image (the processor asks `get_num_placeholder_tokens`).
+    image_seq_length: int | None = None
+    # The processor marks spans the decoder attends bidirectionally
+    # (`ProcessedPrompt.bidirectional_ranges`: Gemma 3's image soft tokens, PaliGemma's prefix);
+    # the scheduler never ends a chunk inside one and the attention opens the causal mask there.
+    # A processor of a family without it setting ranges is a bug the engine reports.
+    bidirectional_spans: bool = False
+    # 3-D rotary positions (temporal, height, width): the runner passes `[3, num_tokens]`
+    # positions from `ProcessedPrompt.mrope_positions` (decode steps then run eagerly on CUDA).
+    uses_mrope: bool = False
+    # Extra embedding columns (Qwen3-VL's DeepStack): item embeddings are
+    # `[num_tokens, (1 + deepstack_num_layers) * hidden]`, the embedding then one feature set per
+    # early decoder layer; the runner widens a merging step's token embeddings to that width
+    # (zeros), and the engine sizes the encoder cache by it.
+    deepstack_num_layers: int = 0
+    # A hybrid decoder's per-request state (mmkit/layers/state_spec.py): its layers keep no KV,
+    # the engine gives each running request a state slot, prefix caching and n > 1 are refused.
+    state_spec: StateSpec | None = None
+
+    @property
+    def embed_width_factor(self) -> int:
+        """Item embedding width in units of the hidden size."""
+        return 1 + self.deepstack_num_layers
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer slides (KV blocks entirely before it can be freed), else None."""
+        return kv_window(list(self.layer_sliding_windows))
+
+
+def default_capabilities(hf_config: Any) -> ModelCapabilities:
+    """What a plain decoder declares: the sliding layers its text config names (the way
+    transformers reads them, mmkit/layers/sliding_window.py), nothing else."""
+    return ModelCapabilities(layer_sliding_windows=tuple(layer_windows(hf_config.get_text_config())))
 
 
 @runtime_checkable
@@ -40,14 +98,18 @@ class SupportsMultiModal(Protocol):
     scheduler scheduled for encoding, `embed_tokens`, `merge_multimodal_embeddings`,
     `forward`, `compute_logits`.
 
-    Optional declarations generic code reads (classmethods taking the checkpoint's HF config;
-    `DecoderLMMixin` gives the defaults): `check_config(hf_config)` raises ValueError for a
-    config the family cannot compute exactly (when the architecture is resolved);
-    `get_sliding_window(hf_config)` -> the decoder's attention window in tokens or None;
-    `get_image_seq_length(hf_config)` -> placeholder tokens per image when fixed, else None.
+    Declarations generic code reads (classmethods taking the checkpoint's HF config;
+    `DecoderLMMixin` gives the defaults): `get_capabilities(hf_config)` -> `ModelCapabilities`
+    (read once, into `ModelConfig.capabilities`); `check_config(hf_config)` raises ValueError
+    for a config the family cannot compute exactly (when the architecture is resolved).
     """
 
     supports_multimodal: ClassVar[bool]
+
+    @classmethod
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        """What generic code needs to know about this checkpoint (see `ModelCapabilities`)."""
+        ...
 
     @classmethod
     def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
@@ -70,8 +132,9 @@ class SupportsMultiModal(Protocol):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
-        """inputs_embeds [num_tokens, hidden]; positions [num_tokens], or [3, num_tokens] for
-        a `SupportsMRoPE` model -> hidden states [num_tokens, hidden]."""
+        """inputs_embeds [num_tokens, hidden]; positions [num_tokens], or [3, num_tokens] when
+        the family declares `uses_mrope`; inputs_embeds [num_tokens, factor * hidden] in a step
+        that merged items of a family declaring DeepStack layers -> hidden [num_tokens, hidden]."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -87,40 +150,6 @@ class SupportsMultiModal(Protocol):
     def prepare_for_inference(self) -> Any:
         """Called once after the final `.to(dtype)`: pack weights, keep tables in float32."""
         ...
-
-
-@runtime_checkable
-class SupportsMRoPE(Protocol):
-    """A model whose rotary positions have three rows (temporal, height, width).
-
-    The processor fills `ProcessedPrompt.mrope_positions` ([3, num_prompt_tokens], long) and
-    `mrope_position_delta` (int: a generated token at index p has position p + delta) when the
-    request is added, e.g. with a classmethod of the model; `forward` then gets `[3, T]`."""
-
-    uses_mrope: ClassVar[bool]
-
-
-@runtime_checkable
-class SupportsDeepStack(Protocol):
-    """A model that adds vision features to the hidden states of its first decoder layers
-    (Qwen3-VL's DeepStack). Its item embeddings are `[num_tokens, (1 + deepstack_num_layers) *
-    hidden]`: the embedding, then one feature set per layer. The runner widens a step's token
-    embeddings to that width (zeros) whenever the step merges items, so `forward` gets
-    `[num_tokens, hidden]` or the wide form, and splits it."""
-
-    deepstack_num_layers: int
-
-
-def deepstack_num_layers(model: Any) -> int:
-    return int(getattr(model, "deepstack_num_layers", 0))
-
-
-def supports_multimodal(model: Any) -> bool:
-    return bool(getattr(model, "supports_multimodal", False))
-
-
-def uses_mrope(model: Any) -> bool:
-    return bool(getattr(model, "uses_mrope", False))
 
 
 @dataclass(frozen=True)
@@ -164,36 +193,20 @@ def merge_multimodal_embeddings(inputs_embeds: torch.Tensor, item_embeds: Sequen
     return inputs_embeds
 
 
-def decoder_sliding_window(text_config: Any) -> int | None:
-    """The attention window a decoder config applies (the way transformers decides it), or None:
-    `sliding_window`, unless `layer_types` marks no layer "sliding_attention" or the config
-    switches it off with `use_sliding_window=False`."""
-    window = getattr(text_config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:  # only layers marked "sliding_attention" slide
-        return int(window) if "sliding_attention" in layer_types else None
-    if getattr(text_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 class DecoderLMMixin:
     """The text side every family shares: `embed_tokens`, `forward` and `compute_logits`
     delegated to the family's paged decoder (`self.language_model`) and `self.lm_head`;
-    and the default declarations generic code reads (`mmkit/config.py`)."""
+    and the default declarations generic code reads (`get_capabilities`, `check_config`)."""
 
     @classmethod
-    def get_sliding_window(cls, hf_config: Any) -> int | None:
-        """The decoder's sliding attention window in tokens, or None (full attention)."""
-        return decoder_sliding_window(hf_config.get_text_config())
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        """The default declaration (`default_capabilities`); a family overrides what differs,
+        e.g. `dataclasses.replace(super().get_capabilities(hf_config), uses_mrope=True)`."""
+        return default_capabilities(hf_config)
 
     @classmethod
-    def get_image_seq_length(cls, hf_config: Any) -> int | None:
-        """Placeholder tokens of every image when the count is fixed; None when it depends on
-        the image (the processor asks `get_num_placeholder_tokens` per item)."""
-        return None
+    def check_config(cls, hf_config: Any) -> None:
+        """Raise ValueError for a config the family cannot compute exactly (default: accept)."""
 
     def load_checkpoint(self, path: Any, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> None:

@@ -4,7 +4,7 @@ two linears) + mmkit's LFM2 decoder, a hybrid of short-convolution and attention
 - Convolution layers (`conv`): `in_proj` gives B, C, x; the short causal convolution (kernel
   `conv_L_cache`, no activation) runs over B * x and its output is gated by C, then `out_proj`.
   Each request keeps the last K-1 inputs of every such layer in a state slot
-  (mmkit/worker/state_cache.py; `get_state_spec`), no KV.
+  (mmkit/worker/state_cache.py; its `ModelCapabilities.state_spec`), no KV.
 - Attention layers: q/k RMS-normalised per head (`q_layernorm` / `k_layernorm`), full rotary,
   paged attention, `out_proj`.
 - Pre-norm blocks (`operator_norm`, `ffn_norm`), a SwiGLU `feed_forward` (w1, w3, w2), the final
@@ -19,6 +19,7 @@ them) in the `<image>` rows (models/span_embeds.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ from mmkit.layers.norms import RMSNorm
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.short_conv import causal_conv_chunk, causal_conv_step
 from mmkit.layers.state_spec import StateSpec
-from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
+from mmkit.models.interfaces import DecoderLMMixin, ModelCapabilities, MultiModalKwargs
 from mmkit.models.llama import Linear
 from mmkit.models.registry import ties_word_embeddings
 from mmkit.models.span_embeds import span_embeddings
@@ -152,7 +153,7 @@ class Lfm2Model(nn.Module):
 
 
 class Lfm2VlForConditionalGeneration(DecoderLMMixin, nn.Module):
-    """`SupportsMultiModal` (images); a hybrid decoder (`get_state_spec`)."""
+    """`SupportsMultiModal` (images), declaring a hybrid decoder's `state_spec`."""
 
     supports_multimodal = True
 
@@ -170,10 +171,11 @@ class Lfm2VlForConditionalGeneration(DecoderLMMixin, nn.Module):
         self.tie_word_embeddings = ties_word_embeddings(config)
 
     @classmethod
-    def get_state_spec(cls, hf_config: Any) -> StateSpec:
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
         text = hf_config.get_text_config()
         layer_ids = tuple(i for i, t in enumerate(text.layer_types[:text.num_hidden_layers]) if t == CONV)
-        return StateSpec(layer_ids, text.hidden_size, text.conv_L_cache - 1)
+        return replace(super().get_capabilities(hf_config),
+                       state_spec=StateSpec(layer_ids, text.hidden_size, text.conv_L_cache - 1))
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

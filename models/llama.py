@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from mmkit.models.llama_decode_stack import DecodeStack
 from mmkit.models.moe import SparseMoeBlock
 from torch import nn
 from transformers.activations import ACT2FN
@@ -17,7 +18,6 @@ from transformers.activations import ACT2FN
 from mmkit import envs
 from mmkit.layers import cpu_kernels, fused_f32, linear_panels
 from mmkit.layers.attention import AttentionMetadata, paged_attention
-from mmkit.layers.decode_stack import DecodeStack
 from mmkit.layers.norms import RMSNorm
 from mmkit.layers.quantized_linear import QuantizedLinear, fuse_quantized
 from mmkit.layers.rotary import RotaryEmbedding, StepRope
@@ -307,7 +307,7 @@ class LlamaModel(nn.Module):
         if deepstack is None and x.is_cpu:
             stack = self.decode_stack()
             out = stack.run(x, rope, kv_caches, meta) if stack is not None else None
-            if out is not None:  # the whole stack in one C call (mmkit/layers/decode_stack.py)
+            if out is not None:  # the whole stack in one C call (models/llama_decode_stack.py)
                 return out
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rope, kv_cache, meta)

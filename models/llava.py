@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers.activations import ACT2FN
 
-from mmkit.models.interfaces import DecoderLMMixin, MultiModalKwargs
+from mmkit.models.interfaces import DecoderLMMixin, ModelCapabilities, MultiModalKwargs
 from mmkit.models.llama import Linear
 from mmkit.models.registry import check_text_model, text_model_class, ties_word_embeddings
 
@@ -52,7 +53,12 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
             )
 
     @classmethod
-    def get_image_seq_length(cls, hf_config: Any) -> int | None:
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        """Every image is resized to the tower's input: a fixed token count."""
+        return replace(super().get_capabilities(hf_config), image_seq_length=cls.image_seq_length(hf_config))
+
+    @classmethod
+    def image_seq_length(cls, hf_config: Any) -> int:
         """Placeholder tokens per image, the way LlavaProcessor counts them."""
         vision = hf_config.vision_config
         num_patches = (vision.image_size // vision.patch_size) ** 2
@@ -77,7 +83,7 @@ class LlavaForConditionalGeneration(DecoderLMMixin, nn.Module):
     def get_num_placeholder_tokens(cls, hf_config: Any, image_size: tuple[int, int],
                                    image_processor: Any = None) -> int:
         """Every image becomes `image_seq_length` tokens whatever its size (it is resized)."""
-        return cls.get_image_seq_length(hf_config)
+        return cls.image_seq_length(hf_config)
 
     def embed_multimodal(self, items: Sequence[MultiModalKwargs]) -> list[torch.Tensor]:
         """Items {"pixel_values": [1, 3, H, W]} -> one [image_seq_length, hidden] each (batched)."""

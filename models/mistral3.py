@@ -4,8 +4,8 @@ patch merger, two linears), in front of mmkit's paged Mistral decoder (the Llama
 
 An image of h x w merged patches takes the span `([IMG] * w + [IMG_BREAK]) * h` with the last
 break replaced by `[IMG_END]` (PixtralProcessor's layout); the model returns one row per span
-token (`models/span_embeds.py`). A decoder config with `sliding_window` follows
-`mmkit.config.sliding_window` (today: `max_model_len` capped at the window).
+token (`models/span_embeds.py`). A decoder config with `sliding_window` slides in every layer:
+the default capabilities declare it, and the block manager frees blocks out of the window.
 """
 
 from __future__ import annotations

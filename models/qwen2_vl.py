@@ -9,13 +9,14 @@ in the hub's layout (`visual.*`, `model.layers.*`) and the one transformers 5 sa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from mmkit.models.interfaces import DecoderLMMixin
+from mmkit.models.interfaces import DecoderLMMixin, ModelCapabilities
 from mmkit.models.llama import Linear, pack_linears
 from mmkit.models.qwen2 import Qwen2Model
 from mmkit.models.registry import ties_word_embeddings
@@ -23,11 +24,10 @@ from mmkit.models.weight_utils import load_vlm_checkpoint
 
 
 class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
-    """Qwen2-VL (`SupportsMultiModal`, `SupportsMRoPE` of models/interfaces.py); positions are
-    M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
+    """Qwen2-VL (`SupportsMultiModal` of models/interfaces.py); it declares `uses_mrope`:
+    positions are M-RoPE rows `[3, num_tokens]` (see models/mrope.py)."""
 
     supports_multimodal = True
-    uses_mrope = True
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
@@ -43,6 +43,10 @@ class Qwen2VLForConditionalGeneration(DecoderLMMixin, nn.Module):
         # float32 buffers of the tower (rotary inv_freq), kept across the engine's dtype cast.
         self._fp32_buffers = {id(m): {n: b.detach().clone() for n, b in m.named_buffers(recurse=False)
                                       if b.dtype == torch.float32} for m in self.visual.modules()}
+
+    @classmethod
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        return replace(super().get_capabilities(hf_config), uses_mrope=True)
 
     def _build_decoder(self, text, max_positions: int):
         return Qwen2Model(text, max_positions)

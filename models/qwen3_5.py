@@ -6,7 +6,7 @@ layer (`layer_types`), behind the Qwen3-VL tower without DeepStack.
   (mmkit/layers/gated_delta_rule.py) with a per-head decay `g = -exp(A_log) * softplus(a +
   dt_bias)` and write strength `beta = sigmoid(b)`, then an RMSNorm gated by SiLU(z) per value
   head. They keep a per-request state (conv window + recurrent state) in the runner's state
-  cache (mmkit/worker/state_cache.py), declared by `get_state_spec`; no KV cache.
+  cache (mmkit/worker/state_cache.py), declared in its `ModelCapabilities.state_spec`; no KV cache.
 - Full-attention layers (`self_attn`): q_proj gives each head its query and an output gate
   (`[q_h | gate_h]` per head), q/k RMS-normalised per head with (1 + w) weights, rotary on the
   first `partial_rotary_factor * head_dim` dims only (interleaved M-RoPE), paged attention, then
@@ -16,6 +16,7 @@ layer (`layer_types`), behind the Qwen3-VL tower without DeepStack.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,9 +31,9 @@ from mmkit.layers.rotary import RotaryEmbedding, StepRope
 from mmkit.layers.short_conv import causal_conv_chunk, causal_conv_step
 from mmkit.layers.state_spec import StateSpec
 from mmkit.models.gemma3 import GemmaRMSNorm
+from mmkit.models.interfaces import ModelCapabilities
 from mmkit.models.llama import Linear, LlamaMLP
 from mmkit.models.moe import MoeExperts, SparseMoeBlock
-from mmkit.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from mmkit.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 LINEAR_ATTENTION = "linear_attention"
@@ -280,19 +281,19 @@ def qwen3_5_state_spec(text: Any) -> StateSpec:
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
-    """`SupportsMultiModal`, `SupportsMRoPE`; a hybrid decoder (`get_state_spec`)."""
+    """`SupportsMultiModal`, declaring `uses_mrope` and a hybrid decoder's `state_spec`."""
 
     decoder_cls: Any = Qwen3_5TextModel
     # transformers' `_keys_to_ignore_on_load_unexpected`: the multi-token-prediction head is not run
     ignored_checkpoint_prefixes = ("mtp.",)
 
-    def __init__(self, config, max_positions: int) -> None:
-        Qwen2VLForConditionalGeneration.__init__(self, config, max_positions)
-        self.deepstack_num_layers = 0  # the Qwen3.5 tower has no DeepStack mergers
+    @classmethod
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        return replace(super().get_capabilities(hf_config), state_spec=qwen3_5_state_spec(hf_config.get_text_config()))
 
     @classmethod
-    def get_state_spec(cls, hf_config: Any) -> StateSpec:
-        return qwen3_5_state_spec(hf_config.get_text_config())
+    def deepstack_layers(cls, hf_config: Any) -> int:
+        return 0  # the Qwen3.5 tower has no DeepStack mergers
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:

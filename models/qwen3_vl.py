@@ -4,9 +4,9 @@
 DeepStack: the tower also merges the hidden states of `deepstack_visual_indexes` layers; these
 L feature sets are added to the decoder's hidden states after its first L layers, at the item's
 rows. mmkit carries them as extra columns of the item embedding, vLLM's layout: one item is
-`[num_tokens, (1 + L) * hidden]` (`SupportsDeepStack` in models/interfaces.py), so the encoder
-cache, chunked prefill, prefix-cache hits and preemption move them exactly as they move the
-embedding; text rows of a step carry zeros there (adding zero changes nothing).
+`[num_tokens, (1 + L) * hidden]` (declared as `ModelCapabilities.deepstack_num_layers`, see
+models/interfaces.py), so the encoder cache, chunked prefill, prefix-cache hits and preemption
+move them exactly as they move the embedding; text rows of a step carry zeros there (adding zero changes nothing).
 
 A video is one item whose placeholder range is its whole expansion as transformers writes it,
 `<t seconds><|vision_start|>` + frame tokens + `<|vision_end|>` per temporal patch: the item's
@@ -15,11 +15,13 @@ rows for those timestamp / delimiter tokens are their token embeddings (`span_to
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar, Sequence
 
 import torch
 
 from mmkit.layers.rotary import RotaryEmbedding
+from mmkit.models.interfaces import ModelCapabilities
 from mmkit.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from mmkit.models.qwen3 import Qwen3Model, Qwen3MoeModel
 
@@ -27,13 +29,19 @@ _DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default when the config n
 
 
 class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """`SupportsMultiModal`, `SupportsMRoPE` and `SupportsDeepStack`."""
+    """`SupportsMultiModal`; it declares `uses_mrope` and one DeepStack layer per
+    `deepstack_visual_indexes` entry (item rows `(1 + L) * hidden` wide)."""
 
     decoder_cls: ClassVar[type] = Qwen3Model
 
-    def __init__(self, config, max_positions: int) -> None:
-        super().__init__(config, max_positions)
-        self.deepstack_num_layers = len(config.vision_config.deepstack_visual_indexes)
+    @classmethod
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        return replace(super().get_capabilities(hf_config), deepstack_num_layers=cls.deepstack_layers(hf_config))
+
+    @classmethod
+    def deepstack_layers(cls, hf_config: Any) -> int:
+        """One DeepStack feature set per `deepstack_visual_indexes` entry of the tower."""
+        return len(hf_config.vision_config.deepstack_visual_indexes)
 
     def _build_decoder(self, text, max_positions: int):
         rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}

@@ -27,8 +27,8 @@ class ProcessedPrompt:
     # tensor is N items, or a list); they skip the vision tower. In a list, a None entry is an
     # item of `images` that mmkit encodes (a video beside given image embeddings).
     image_embeds: torch.Tensor | list[torch.Tensor | None] | None = None
-    # M-RoPE models only (see mmkit.models.interfaces.SupportsMRoPE): [3, num_prompt_tokens]
-    # positions and the offset of generated tokens (position = index + delta).
+    # M-RoPE models only (`ModelCapabilities.uses_mrope` in mmkit.models.interfaces):
+    # [3, num_prompt_tokens] positions and the offset of generated tokens (position = index + delta).
     mrope_positions: torch.Tensor | None = None
     mrope_position_delta: int = 0
     # Processor options of this request (engine-wide ones merged with its own); part of its

@@ -52,7 +52,7 @@ class LlavaInputProcessor(BaseInputProcessor):
         # The model decides how many placeholder tokens an image takes (a constant for LLaVA-1.5;
         # size-dependent for anyres families, whose processors override `image_token_counts`).
         self.model_cls = get_model_class(model_config.architecture)
-        self.image_seq_length = model_config.image_seq_length
+        self.image_seq_length = model_config.capabilities.image_seq_length
         # Checkpoints saved without a processor config fall back to the model's own count.
         self.probe = ReplacementProbe(processor) if getattr(processor, "image_token", None) else None
 

@@ -59,8 +59,7 @@ class TransformersInputProcessor(BaseInputProcessor):
         self.bidirectional = quirks_of(model_config.hf_config).bidirectional
         self.probe = ReplacementProbe(self.hf_processor) if image_token is not None else None
         self._rope_owner: Any = None  # a meta-device instance with get_rope_index, built on first use
-        cls = transformers_class(self.architecture)
-        self.has_rope_index = cls is not None and _has_rope_index(cls, model_config.hf_config)
+        self.has_rope_index = model_config.capabilities.uses_mrope  # the model declares it
 
     def check_mm_processor_kwargs(self, where: str, kwargs: Any) -> dict[str, Any]:
         """Any dict: the checkpoint's processor takes its own options."""
@@ -181,18 +180,6 @@ class TransformersInputProcessor(BaseInputProcessor):
 
     def decode(self, token_ids: list[int], **kwargs: Any) -> str:
         return self.tokenizer.decode(token_ids, **kwargs)
-
-
-def _has_rope_index(cls: type, hf_config: Any) -> bool:
-    """Whether the class (or its inner model class) computes 3-D positions with get_rope_index."""
-    if callable(getattr(cls, "get_rope_index", None)):
-        return True
-    import importlib
-
-    module = importlib.import_module(cls.__module__)
-    base = cls.__name__.replace("ForConditionalGeneration", "Model")
-    inner = getattr(module, base, None)
-    return inner is not None and callable(getattr(inner, "get_rope_index", None))
 
 
 def processor_text_layout(hf_processor: Any, prompt: str, num_images: int) -> str:

@@ -61,7 +61,8 @@ class LLMEngine:
         # scheduler (admission) and the runner (model inputs); both get it here, at construction.
         self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
         self.model_runner = ModelRunner(config, self.input_processor)
-        spec = config.model.state_spec  # a hybrid decoder's per-request state (None: KV only)
+        capabilities = config.model.capabilities  # what the family declares (models/interfaces.py)
+        spec = capabilities.state_spec  # a hybrid decoder's per-request state (None: KV only)
         self.state_cache_manager = None if spec is None else StateCacheManager(
             config.scheduler.max_num_seqs, spec.bytes_per_slot(config.model.dtype))
         prefix_caching = config.cache.enable_prefix_caching
@@ -71,10 +72,10 @@ class LLMEngine:
                            "per-request state that cached KV blocks cannot restore", config.model.architecture)
             prefix_caching = False
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
-                                          prefix_caching, config.model.sliding_window)
+                                          prefix_caching, capabilities.sliding_window)
         self.encoder_cache_manager = EncoderCacheManager(config.cache.encoder_cache_memory)
-        # One item-embedding row: hidden, times 1 + DeepStack layers for a `SupportsDeepStack` model.
-        row_bytes = (config.model.hidden_size * self.model_runner.embed_width_factor
+        # One item-embedding row: hidden, times 1 + the DeepStack layers the family declares.
+        row_bytes = (config.model.hidden_size * capabilities.embed_width_factor
                      * torch.empty((), dtype=config.model.dtype).element_size())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.encoder_cache_manager, row_bytes,
                                    preprocess=self.input_stage if self.input_stage.prefetches else None,
@@ -133,10 +134,16 @@ class LLMEngine:
 
     def process_inputs(self, parsed: ParsedPrompt) -> ProcessedPrompt:
         """The family's processor on one parsed prompt, after the one generic refusal of a
-        modality it does not declare (`supported_modalities`)."""
+        modality it does not declare (`supported_modalities`); its bidirectional spans only
+        where the model declares them (`ModelCapabilities.bidirectional_spans`)."""
         check_supported_modalities(parsed, supported_modalities(self.input_processor),
                                    self.config.model.architecture)
-        return self.input_processor.process(parsed)
+        processed = self.input_processor.process(parsed)
+        if processed.bidirectional_ranges and not self.config.model.capabilities.bidirectional_spans:
+            raise ValueError(f"inputs[{parsed.index}]: the {self.config.model.architecture} processor marked "
+                             "bidirectional spans, but its model class does not declare them (bidirectional_spans=True "
+                             "in get_capabilities(), mmkit.models.interfaces.ModelCapabilities)")
+        return processed
 
     @property
     def structured_backend(self):

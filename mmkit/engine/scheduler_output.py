@@ -50,7 +50,7 @@ class NewSeqData:
     num_computed_tokens: int
     placeholder_ranges: tuple[tuple[int, int], ...] = ()
     encoder_keys: tuple[str, ...] = ()  # encoder-cache key of each item
-    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] (SupportsMRoPE)
+    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] (a family declaring uses_mrope)
     mrope_position_delta: int = 0
     bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans
     # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their

@@ -162,7 +162,7 @@ _SIGNATURES = {
     "mmkit_quant_panel_gemm_available": ([], _INT),
     "mmkit_quant_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR, _I64,
                                 _INT], _INT),
-    # the whole decoder stack of a decode step (csrc/decode_stack_cpu.c, wrapped in decode_stack.py)
+    # the whole decoder stack of a decode step (csrc/decode_stack_cpu.c, wrapped in models/llama_decode_stack.py)
     "mmkit_decode_stack": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR], _INT),
     "mmkit_decode_stack_work_bytes": ([_I64, _I64, _I64, _I64, _I64, _I64, _INT], _I64),
     "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT], None),

@@ -102,7 +102,7 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.permute(*order).reshape(p * PANEL, k)[:out_features].contiguous()
 
 
-# Bumped whenever a module (re)binds or drops its panels: the decode stack (decode_stack.py)
+# Bumped whenever a module (re)binds or drops its panels: the decode stack (models/llama_decode_stack.py)
 # holds the bound pointers of every layer and rebuilds when this moves.
 _generation = [0]
 

@@ -1,11 +1,12 @@
 """What a hybrid decoder keeps per request besides its KV blocks: `StateSpec`.
 
 A hybrid decoder (linear-attention or short-convolution layers beside full attention) declares
-one `StateSpec` (`get_state_spec(hf_config)` on its model class). Each request then holds one
-slot: per state layer a convolution window `[conv_channels, conv_width]` in the model's dtype
-and, for linear attention, a recurrent state `[v_heads, k_dim, v_dim]` in float32. The engine
-sizes and counts slots from it (mmkit/engine/state_cache_manager.py), the runner allocates the
-tensors (mmkit/worker/state_cache.py).
+one `StateSpec` (`ModelCapabilities.state_spec`, from `get_capabilities(hf_config)` on its
+model class). Each request then holds one slot: per state layer a convolution window
+`[conv_channels, conv_width]` in the model's dtype and, for linear attention, a recurrent state
+`[v_heads, k_dim, v_dim]` in float32. The engine sizes and counts slots from it
+(mmkit/engine/state_cache_manager.py), the runner allocates the tensors
+(mmkit/worker/state_cache.py).
 """
 
 from __future__ import annotations

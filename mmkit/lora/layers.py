@@ -63,7 +63,7 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("scales", torch.zeros(max_loras, n, dtype=torch.float32), persistent=False)
         self.has_slot = [False] * max_loras  # slots holding weights for this module
-        # [slots] int64 for the C decode stack: 1 where the slot holds weights (mmkit/layers/decode_stack.py)
+        # [slots] int64 for the C decode stack: 1 where the slot holds weights (models/llama_decode_stack.py)
         self.register_buffer("slot_mask", torch.zeros(max_loras, dtype=torch.long), persistent=False)
         # Slice i is output columns [bounds[i], bounds[i + 1]) (int64 [n + 1], for the C stack).
         self.register_buffer("bounds", torch.tensor([0] + [sum(slices[:i + 1]) for i in range(n)], dtype=torch.long),
@@ -78,7 +78,7 @@ class LoRALinear(nn.Module):
         return self.base.bias
 
     def lora_record(self, record_cls):
-        """(record, tensors it points into) for the C decode stack (mmkit/layers/decode_stack.py),
+        """(record, tensors it points into) for the C decode stack (models/llama_decode_stack.py),
         or None where the buffers are not float32 CPU tensors."""
         tensors = (self.a, self.b, self.scales, self.slot_mask, self.bounds)
         if any(not t.is_cpu or not t.is_contiguous() for t in tensors) or self.a.dtype != torch.float32 \

@@ -217,7 +217,7 @@ def uses_decode_graphs(config, attention_backend: str, runner) -> bool:
     """Graphs for decode steps: CUDA, the flex backend, not `enforce_eager`, and a model whose
     decode step is plain 1-D positions (M-RoPE and DeepStack models run eagerly)."""
     return (config.model.device.type == "cuda" and attention_backend == "flex" and not config.enforce_eager
-            and not runner.uses_mrope and runner.embed_width_factor == 1)
+            and not runner.capabilities.uses_mrope and runner.capabilities.embed_width_factor == 1)
 
 
 class DecodeGraphs:
@@ -230,7 +230,7 @@ class DecodeGraphs:
     def __init__(self, runner, sizes: list[int] | None = None) -> None:
         from mmkit.layers.attention_backend import compiled_flex_attention
 
-        if runner.uses_mrope or runner.embed_width_factor != 1:
+        if runner.capabilities.uses_mrope or runner.capabilities.embed_width_factor != 1:
             raise ValueError("decode graphs: M-RoPE and DeepStack models run their decode steps eagerly")
         config = runner.config
         mc = config.model
@@ -241,7 +241,7 @@ class DecodeGraphs:
         if cache_blocks != runner.num_blocks + 1:
             raise ValueError(f"decode graphs: the KV cache holds {cache_blocks} blocks; expected num_blocks + 1 "
                              f"= {runner.num_blocks + 1} (the null block)")
-        windows = tuple(sorted({w or 0 for w in mc.layer_sliding_windows} or {0}))
+        windows = tuple(sorted({w or 0 for w in mc.capabilities.layer_sliding_windows} or {0}))
         self.buffers = DecodeBuffers(self.sizes[-1], -(-mc.max_model_len // bs), bs, cache_blocks, runner.num_blocks,
                                      runner.device, windows)
         self._metas = {s: self.buffers.flex_metadata(s) for s in self.sizes}
@@ -255,7 +255,7 @@ class DecodeGraphs:
         whose decode steps graphs do not take (M-RoPE, DeepStack)."""
         from mmkit.worker.kv_cache import allocate_kv_caches
 
-        if runner.uses_mrope or runner.embed_width_factor != 1:
+        if runner.capabilities.uses_mrope or runner.capabilities.embed_width_factor != 1:
             return None
 
         runner.num_cache_blocks = runner.num_blocks + 1

@@ -15,14 +15,14 @@ _CPU_DEFAULT_LIMIT = 4 << 30  # bytes
 
 def kv_layer_ids(model: ModelConfig) -> list[int]:
     """Decoder layers with a KV cache: all but a hybrid decoder's state layers."""
-    spec = getattr(model, "state_spec", None)  # (a stand-in config may lack the field)
+    spec = model.capabilities.state_spec
     state_layers = set(spec.layer_ids) if spec is not None else set()
     return [i for i in range(model.num_layers) if i not in state_layers]
 
 
 def state_bytes(model: ModelConfig, max_num_seqs: int) -> int:
     """Bytes of a hybrid decoder's per-request state slots (one per sequence that can run)."""
-    spec = getattr(model, "state_spec", None)
+    spec = model.capabilities.state_spec
     return 0 if spec is None else max_num_seqs * spec.bytes_per_slot(model.dtype)
 
 

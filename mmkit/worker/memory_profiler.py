@@ -132,7 +132,7 @@ def profiling_step(runner) -> tuple[Callable[[], None], int]:
         attach_backend(meta, runner.attention_backend, num_blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
-        if runner.uses_mrope:
+        if runner.capabilities.uses_mrope:
             positions = positions.expand(3, -1)
         with torch.inference_mode():
             hidden = runner.model(runner.model.embed_tokens(ids), positions, caches, meta)

@@ -20,8 +20,7 @@ from mmkit.layers.attention_backend import attach_backend, select_attention_back
 from mmkit.layers.gpu_sampler import GpuSampler
 from mmkit.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from mmkit.engine.scheduler_output import SchedulerOutput
-from mmkit.models.interfaces import (EmbedSlice, deepstack_num_layers, merge_multimodal_embeddings,
-                                     placeholder_slices, uses_mrope)
+from mmkit.models.interfaces import EmbedSlice, merge_multimodal_embeddings, placeholder_slices
 from mmkit.worker.block_table import BlockTables
 from mmkit.worker.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from mmkit.worker.encoder_cache import EncoderCache
@@ -57,8 +56,7 @@ class ModelRunner:
         self.model = load_model(mc)
         if self.device.type == "cpu":
             _release_freed_memory()  # checkpoint read buffers and unpacked weights, freed above
-        self.uses_mrope = uses_mrope(self.model)
-        self.embed_width_factor = 1 + deepstack_num_layers(self.model)  # item rows: factor * hidden
+        self.capabilities = mc.capabilities  # what the family declares (models/interfaces.py)
         self.attention_backend = select_attention_backend(self.device, config.attention_backend,
                                                           config.cache.block_size)
         self.memory_profile = None  # CUDA: the profiling run's figures (worker/memory_profiler.py)
@@ -70,8 +68,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(mc, self.num_cache_blocks, self.block_size,
                                             preallocate=config.cache.kv_cache_preallocate)
         # A hybrid decoder's per-request state: one slot per sequence that can run.
-        self.state_cache = (StateCache(mc.state_spec, config.scheduler.max_num_seqs, self.dtype, self.device)
-                            if mc.state_spec is not None else None)
+        spec = self.capabilities.state_spec
+        self.state_cache = (StateCache(spec, config.scheduler.max_num_seqs, self.dtype, self.device)
+                            if spec is not None else None)
         self.sampler = GpuSampler() if self.device.type == "cuda" else Sampler()  # one host sync per step
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_memory)
         self.num_vision_calls = 0  # images encoded by the vision tower (for tests/metrics)
@@ -116,7 +115,7 @@ class ModelRunner:
             input_ids, positions, slots, meta = self._prepare(order)
             if self.state_cache is not None:
                 meta.state_batch = self._state_batch(order)
-            if self.uses_mrope:
+            if self.capabilities.uses_mrope:
                 positions = self._mrope_positions(order)
             embeds = self.model.embed_tokens(input_ids)
             embeds = self._merge_multimodal(order, embeds)
@@ -324,7 +323,8 @@ class ModelRunner:
 
     def _merge_multimodal(self, order: list[Chunk], embeds: torch.Tensor) -> torch.Tensor:
         """Scatter cached item embeddings into the placeholder rows this step computes; a
-        `SupportsDeepStack` model's step embeddings are widened first (zeros) to its item width."""
+        family declaring DeepStack layers gets its step embeddings widened first (zeros) to its
+        item width (`ModelCapabilities.embed_width_factor`)."""
         items: list[torch.Tensor] = []
         index: dict[str, int] = {}
         slices: list[EmbedSlice] = []
@@ -342,14 +342,15 @@ class ModelRunner:
                         items.append(value)
                     slices.append(replace(sl, item=index[key]))
             row += c.num_new_tokens
-        if slices and self.embed_width_factor > 1:
-            wide = embeds.new_zeros(embeds.shape[0], embeds.shape[1] * self.embed_width_factor)
+        factor = self.capabilities.embed_width_factor
+        if slices and factor > 1:
+            wide = embeds.new_zeros(embeds.shape[0], embeds.shape[1] * factor)
             wide[:, :embeds.shape[1]] = embeds
             embeds = wide
         return merge_multimodal_embeddings(embeds, items, slices)
 
     def _mrope_positions(self, order: list[Chunk]) -> torch.Tensor:
-        """[3, num_tokens] positions for a `SupportsMRoPE` model: the processor's rows for
+        """[3, num_tokens] positions for a family declaring `uses_mrope`: the processor's rows for
         prompt tokens, index + delta (in all three rows) for generated ones."""
         parts = []
         for c in order:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import torch
-from mmkit.models.interfaces import MultiModalKwargs, decoder_sliding_window
+from mmkit.layers.sliding_window import layer_windows
+from mmkit.models.interfaces import ModelCapabilities, MultiModalKwargs
 from mmkit.models.transformers_backend import attention
 from mmkit.models.transformers_backend.qualify import transformers_class
 from mmkit.models.transformers_backend.quirks import quirks_of
@@ -60,6 +61,18 @@ def rope_index_owner(hf_model: nn.Module) -> Any:
     return None
 
 
+def has_rope_index(cls: type) -> bool:
+    """Whether a transformers class (or its inner model class) computes 3-D positions with
+    `get_rope_index`: decided from the class, before anything is built."""
+    if callable(getattr(cls, "get_rope_index", None)):
+        return True
+    import importlib
+
+    module = importlib.import_module(cls.__module__)
+    inner = getattr(module, cls.__name__.replace("ForConditionalGeneration", "Model"), None)
+    return inner is not None and callable(getattr(inner, "get_rope_index", None))
+
+
 def features_as_rows(features: Any, hidden_size: int) -> torch.Tensor:
     """What `get_image_features` returns (a tensor, a list / tuple of per-image tensors, or a
     model output whose `pooler_output` holds them) -> [rows, hidden]."""
@@ -76,18 +89,24 @@ def features_as_rows(features: Any, hidden_size: int) -> torch.Tensor:
 
 class TransformersBackendModel(nn.Module):
     """Any qualifying transformers image-text-to-text class on mmkit's paged KV cache
-    (`SupportsMultiModal`; `SupportsMRoPE` per instance when the model has `get_rope_index`)."""
+    (`SupportsMultiModal`; its capabilities read from the checkpoint's config and class)."""
 
     supports_multimodal: ClassVar[bool] = True
     model_impl: ClassVar[str] = "transformers"
 
     @classmethod
-    def get_image_seq_length(cls, hf_config: Any) -> int | None:
-        return None  # spans come from what the processor writes, per item
+    def get_capabilities(cls, hf_config: Any) -> ModelCapabilities:
+        """The config's sliding layers; 3-D positions when the class has `get_rope_index`;
+        bidirectional spans where the forward's mask opens them (quirks.py). Spans come from what
+        the processor writes, per item: no fixed image token count."""
+        hf_class = transformers_class((getattr(hf_config, "architectures", None) or [None])[0])
+        return ModelCapabilities(layer_sliding_windows=tuple(layer_windows(hf_config.get_text_config())),
+                                 uses_mrope=hf_class is not None and has_rope_index(hf_class),
+                                 bidirectional_spans=quirks_of(hf_config).bidirectional is not None)
 
     @classmethod
-    def get_sliding_window(cls, hf_config: Any) -> int | None:
-        return decoder_sliding_window(hf_config.get_text_config())
+    def check_config(cls, hf_config: Any) -> None:
+        """Nothing here: `qualify.py` decides which configs the backend takes."""
 
     def __init__(self, config: Any, max_positions: int = 0) -> None:
         super().__init__()
@@ -101,12 +120,9 @@ class TransformersBackendModel(nn.Module):
         chunk = getattr(text, "attention_chunk_size", None)
         self.layer_chunk_sizes = tuple(chunk if t == "chunked_attention" else None
                                        for t in (getattr(text, "layer_types", None) or []))
-        from mmkit.layers.sliding_window import layer_windows
-
-        self.layer_windows = tuple(layer_windows(text))
+        self.layer_windows = self.get_capabilities(config).layer_sliding_windows
         self.final_logit_softcapping = (getattr(config, "final_logit_softcapping", None)
                                         or getattr(text, "final_logit_softcapping", None))
-        self.uses_mrope = False  # set from the loaded model (get_rope_index)
         self.position_offset = quirks_of(config).position_offset
         self.logit_scale = getattr(text, "logit_scale", None) if quirks_of(config).scale_logits else None
 
@@ -139,7 +155,6 @@ class TransformersBackendModel(nn.Module):
         self.hf_model = hf_model.eval()
         self.language_model = language_model_of(hf_model)
         self.language_model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
-        self.uses_mrope = rope_index_owner(hf_model) is not None
         # Float32 buffers (rotary inverse frequencies) stay float32 across the loader's final
         # cast, as transformers keeps them in a bf16 model; complex ones (Llama 4's vision
         # rotary `freqs_ci`) keep their imaginary part.

@@ -83,10 +83,11 @@ def test_preallocated_kv_cache_is_resident_and_zero():
     resident set grows by its size before any block is written, and it still reads as zeros."""
     from types import SimpleNamespace
 
+    from mmkit.models.interfaces import ModelCapabilities
     from mmkit.worker.kv_cache import allocate_kv_caches
 
     model = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-                            device=torch.device("cpu"))
+                            device=torch.device("cpu"), capabilities=ModelCapabilities((None, None)))
     # 64 MiB a tensor: past glibc's largest dynamic mmap threshold (32 MiB), so calloc maps fresh
     # pages however much the suite has freed before; a smaller one can come from recycled heap
     # memory, which calloc memsets (correct zeros, only not lazy). Only the partial pages at

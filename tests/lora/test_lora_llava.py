@@ -152,7 +152,8 @@ def test_engine_and_async_engine_paths(llm, tiny_ckpt, adapters):
 def test_decode_stack_keeps_lora_steps(llm, tiny_ckpt, adapters, monkeypatch):
     """Steps with adapters stay in the one-call C decode stack (the deltas are added inside it),
     and the per-module path (MMKIT_DECODE_STACK=0) gives the same ids."""
-    from mmkit.layers import cpu_kernels, decode_stack, linear_panels
+    from mmkit.layers import cpu_kernels, linear_panels
+    from mmkit.models import llama_decode_stack as decode_stack
 
     if cpu_kernels.library() is None:
         pytest.skip("no C kernels on this host")

@@ -52,11 +52,11 @@ def test_llava_implements_the_interface(tiny_ckpt):
     model = llm.llm_engine.model_runner.model
     cfg = llm.llm_engine.config.model
     assert isinstance(model, SupportsMultiModal)
-    assert type(model).get_num_placeholder_tokens(cfg.hf_config, (40, 30)) == cfg.image_seq_length
+    assert type(model).get_num_placeholder_tokens(cfg.hf_config, (40, 30)) == cfg.capabilities.image_seq_length
     processor = llm.llm_engine.input_processor
     items = [processor.mm_item_inputs(SimpleNamespace(to_pil=lambda s=s: make_image(s))) for s in (1, 2)]
     embeds = model.embed_multimodal(items)
-    assert len(embeds) == 2 and all(e.shape == (cfg.image_seq_length, cfg.hidden_size) for e in embeds)
+    assert len(embeds) == 2 and all(e.shape == (cfg.capabilities.image_seq_length, cfg.hidden_size) for e in embeds)
     batched = model.encode_images(torch.cat([i["pixel_values"] for i in items]))
     assert torch.equal(torch.stack(embeds), batched)
 
@@ -100,7 +100,7 @@ def _vqa(seed, question="What is in the image?", num_images=1):
 
 def test_step_with_more_images_than_the_encoder_cache_holds_completes(tiny_ckpt):
     cfg = get_llm(tiny_ckpt).llm_engine.config.model
-    one_image = cfg.image_seq_length * cfg.hidden_size * 4  # float32 bytes of one image
+    one_image = cfg.capabilities.image_seq_length * cfg.hidden_size * 4  # float32 bytes of one image
     batch = [_vqa(10 + 3 * i, num_images=1 + i % 2) for i in range(5)] + ["Write a haiku."]
     ref = [o.outputs[0].token_ids for o in get_llm(tiny_ckpt).generate(batch, GREEDY, use_tqdm=False)]
     # Half an image of cache, and chunks that end inside an image (chunked prefill).

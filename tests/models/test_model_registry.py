@@ -16,8 +16,11 @@ from mmkit import LLM, ModelRegistry, SamplingParams
 
 PROMPT = "USER: <image>\nWhat is in the image? ASSISTANT:"
 
-# A plugin package: a subclass of the built-in LLaVA family whose methods record their calls.
+# A plugin package: a subclass of the built-in LLaVA family whose methods record their calls,
+# and a family that declares a capability of its own (`MyWindowVLM`).
 PLUGIN_SOURCE = '''
+from dataclasses import replace
+
 from mmkit.models.llava import LlavaForConditionalGeneration
 from mmkit.processors.llava import LlavaInputProcessor
 
@@ -41,11 +44,29 @@ class MyProcessor(LlavaInputProcessor):
         return super().process(parsed)
 
 
+class MyWindowVLM(LlavaForConditionalGeneration):
+    """A family whose checkpoint names its attention window its own way (`my_attention_window`,
+    every layer): it declares the window once, and its decoder layers apply the declaration."""
+
+    @classmethod
+    def get_capabilities(cls, hf_config):
+        declared = super().get_capabilities(hf_config)
+        windows = (hf_config.my_attention_window,) * len(declared.layer_sliding_windows)
+        return replace(declared, layer_sliding_windows=windows)
+
+    def __init__(self, config, max_positions):
+        super().__init__(config, max_positions)
+        windows = self.get_capabilities(config).layer_sliding_windows
+        for layer, window in zip(self.language_model.layers, windows):
+            layer.self_attn.sliding_window = window
+
+
 def register():
     from mmkit import ModelRegistry
 
     REGISTERED.append(1)
     ModelRegistry.register_model("MyPluginVLM", "my_vlm_plugin:MyVLM", processor="my_vlm_plugin:MyProcessor")
+    ModelRegistry.register_model("MyWindowVLM", "my_vlm_plugin:MyWindowVLM", processor="my_vlm_plugin:MyProcessor")
 '''
 
 
@@ -108,6 +129,93 @@ def test_out_of_tree_subclass_equals_transformers(tiny_ckpt, tmp_path, plugin_di
     assert greedy_ids(llm, image) == hf_greedy(path, prompt=PROMPT, images=image, max_new_tokens=12)
     assert {"process", "embed_multimodal", "compute_logits"} <= set(my_vlm_plugin.CALLS)
     assert my_vlm_plugin.REGISTERED == ([1] if how == "entry_point" else [])
+
+
+def test_plugin_family_declares_a_sliding_window_the_engine_honours(tmp_path, plugin_dir):
+    """A family from a temporary folder, registered through the `mmkit.plugins` entry point,
+    declares a 32-token window on every layer from a config key of its own. The engine's config
+    shows the declaration, the block manager frees blocks out of the window while decoding, and
+    greedy ids past the window equal transformers' for the same decoder with `sliding_window=32`
+    (and differ from full attention: the declaration is what ran)."""
+    import math
+
+    from mmkit.testing import build_tiny_llava
+
+    window, block_size = 32, 16
+    ref_path = build_tiny_llava(tmp_path / "ref", text_type="mistral", sliding_window=window, seed=5,
+                                max_position_embeddings=1024)
+    path = tmp_path / "plugin"
+    shutil.copytree(ref_path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["MyWindowVLM"]
+    config["text_config"]["sliding_window"] = None  # the window is the family's own key now
+    config["my_attention_window"] = window
+    (path / "config.json").write_text(json.dumps(config))
+
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=False)
+    import my_vlm_plugin
+
+    assert type(llm.llm_engine.model_runner.model) is my_vlm_plugin.MyWindowVLM
+    capabilities = llm.llm_engine.config.model.capabilities
+    assert capabilities.layer_sliding_windows == (window, window) and capabilities.sliding_window == window
+    assert llm.llm_engine.block_manager.sliding_window == window
+
+    filler = " the quick brown fox jumps over the lazy dog" * 8
+    prompts = [f"USER: <image>\n{filler} What is in the image? ASSISTANT:",  # the image leaves the window
+               f"USER:{filler} Now look: <image>\nWhat is it? ASSISTANT:"]
+    images = [make_image(3), make_image(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)],
+                        params, use_tqdm=False)
+    assert all(len(o.prompt_token_ids) > 3 * window for o in outs)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [hf_greedy(ref_path, prompt=p, images=im, max_new_tokens=24, ignore_eos=True)
+                   for p, im in zip(prompts, images)]
+    full = renamed_checkpoint(path, tmp_path / "full", "LlavaForConditionalGeneration")  # no window anywhere
+    full_llm = LLM(str(full), dtype="float32", device="cpu")
+    assert full_llm.llm_engine.config.model.capabilities.sliding_window is None
+    assert [o.outputs[0].token_ids for o in full_llm.generate(
+        [{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)], params,
+        use_tqdm=False)] != got
+
+    # Decoding holds only the blocks the window reads (generic code frees the rest).
+    engine = llm.llm_engine
+    engine.add_request("long", {"prompt": prompts[0], "multi_modal_data": {"image": images[0]}},
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    held_max, steps = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        metrics = llm.get_metrics()
+        if steps > 1:  # decoding (the prompt's own step holds all of its blocks)
+            held_max = max(held_max, metrics["kv_blocks_total"] - metrics["kv_blocks_free"])
+    assert steps >= 200 and 0 < held_max <= math.ceil(window / block_size) + 1
+
+
+def test_capabilities_declaration_is_checked(tiny_ckpt, tmp_path, plugin_dir, monkeypatch):
+    """A model class without `get_capabilities`, or one declaring windows for another number of
+    layers, is refused when the engine config is built, naming the class (no weight is read)."""
+    monkeypatch.setenv("MMKIT_PLUGINS", "")
+    import my_vlm_plugin
+
+    class Undeclared:
+        pass
+
+    class WrongWindows(my_vlm_plugin.MyVLM):
+        @classmethod
+        def get_capabilities(cls, hf_config):
+            from dataclasses import replace
+
+            return replace(super().get_capabilities(hf_config), layer_sliding_windows=(8,))
+
+    for name, cls, error, match in [
+            ("UndeclaredVLM", Undeclared, TypeError, "Undeclared declares no get_capabilities"),
+            ("WrongWindowsVLM", WrongWindows, ValueError, "declares 1 layer sliding windows; expected one per "
+                                                          r"decoder layer \(2\)")]:
+        ModelRegistry.register_model(name, cls, processor=my_vlm_plugin.MyProcessor)
+        path = renamed_checkpoint(tiny_ckpt, tmp_path / name, name)
+        with pytest.raises(error, match=match):
+            LLM(str(path), dtype="float32", device="cpu")
 
 
 def test_plugins_load_once_and_mmkit_plugins_selects(plugin_dir, monkeypatch):

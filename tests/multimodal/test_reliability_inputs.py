@@ -61,7 +61,7 @@ def assert_rejected(llm, bad, exc_type, *fragments, monkeypatch=None, index=1):
 # ---------------------------------------------------------------------- prompts
 def test_prompt_longer_than_max_model_len_counts_image_tokens(tiny_ckpt, monkeypatch):
     probe = get_llm(tiny_ckpt)
-    seq_len = probe.llm_engine.config.model.image_seq_length
+    seq_len = probe.llm_engine.config.model.capabilities.image_seq_length
     text = "USER: <image>\n" + "the sea " * 20 + "ASSISTANT:"
     num_text = len(probe.get_tokenizer()(text.replace("<image>", "")).input_ids)
     max_len = num_text + seq_len // 2  # the text alone fits; with its image tokens it does not
@@ -156,7 +156,7 @@ def test_bad_image_list_items(llm, monkeypatch):
 ])
 def test_bad_image_embeds(llm, monkeypatch, make, exc, fragments):
     cfg = llm.llm_engine.config.model
-    data = make(cfg.image_seq_length, cfg.hidden_size)
+    data = make(cfg.capabilities.image_seq_length, cfg.hidden_size)
     bad = {"prompt": PROMPT, "multi_modal_data": MultiModalData(type=EMBEDS, data=data)}
     assert_rejected(llm, bad, exc, "multi_modal_data", *fragments, monkeypatch=monkeypatch)
 

@@ -9,7 +9,7 @@
  * again each time); here they live in one scratch buffer that the caller keeps between steps.
  * This file runs the same kernels, in the same order, on the same data (so its output is
  * bit-identical to the per-module path in models/llama.py), with the per-layer pointers
- * gathered once into `MmkitLayer` records (mmkit/layers/decode_stack.py builds them).
+ * gathered once into `MmkitLayer` records (models/llama_decode_stack.py builds them).
  *
  * Per layer, exactly as LlamaDecoderLayer.forward:
  *   h = rms_norm(x [+ residual])  (layer 0: h = rms_norm(embeds), residual = embeds)

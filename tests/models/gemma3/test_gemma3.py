@@ -220,7 +220,7 @@ def test_sliding_window_16_image_inside_and_outside(tmp_path, monkeypatch):
             kwargs = {"num_kv_blocks": max(-(-(len(o.prompt_token_ids) + N) // 8) for o in outs) + 1, "block_size": 8}
         llm = LLM(str(path), dtype="float32", **kwargs)
         outs = llm.generate(inputs, greedy(), use_tqdm=False)
-        assert llm.llm_engine.config.model.layer_sliding_windows == (16, None, 16)
+        assert llm.llm_engine.config.model.capabilities.layer_sliding_windows == (16, None, 16)
         assert all(len(o.prompt_token_ids) > 64 for o in outs)
         assert [o.outputs[0].token_ids for o in outs] == refs, kwargs
         if "num_kv_blocks" in kwargs:

@@ -85,7 +85,7 @@ def assert_slots_returned(llm):
 
 def test_mixed_batch_equals_transformers(ckpt):
     llm = LLM(str(ckpt), dtype="float32")
-    spec = llm.llm_engine.config.model.state_spec
+    spec = llm.llm_engine.config.model.capabilities.state_spec
     assert spec.layer_ids == (0, 1, 3) and spec.recurrent_shape == () and spec.conv_width == 2
     assert llm.get_metrics()["state_bytes_per_request"] == 3 * 64 * 2 * 4  # windows only: no recurrent state
     outs = check_batch(llm, ckpt)

@@ -79,7 +79,7 @@ def test_token_id_prompts(tiny_ckpt, device):
     img = make_image(5)
     once = tok(PROMPT).input_ids
     image_id = llm.llm_engine.config.model.image_token_id
-    n = llm.llm_engine.config.model.image_seq_length
+    n = llm.llm_engine.config.model.capabilities.image_seq_length
     expanded = []
     for t in once:
         expanded.extend([t] * n if t == image_id else [t])

@@ -128,7 +128,8 @@ def test_sliding_window_decoder_equals_transformers(tmp_path):
     for kwargs in ({}, {"max_num_batched_tokens": 8}):
         llm = LLM(str(path), dtype="float32", **kwargs)
         outs = llm.generate(inputs, greedy(), use_tqdm=False)
-        assert llm.llm_engine.config.model.sliding_window == 16 and all(len(o.prompt_token_ids) > 48 for o in outs)
+        assert llm.llm_engine.config.model.capabilities.sliding_window == 16
+        assert all(len(o.prompt_token_ids) > 48 for o in outs)
         assert [o.outputs[0].token_ids for o in outs] == refs, kwargs
 
 

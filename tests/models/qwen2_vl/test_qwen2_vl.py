@@ -54,12 +54,12 @@ def test_mrope_positions_match_transformers(qwen_ckpt):
         assert processed.prompt_token_ids == ref["input_ids"][0].tolist(), name
         assert torch.equal(processed.mrope_positions, positions[:, 0]), name
         assert processed.mrope_position_delta == int(delta), name
-    # The interface: a SupportsMultiModal + SupportsMRoPE model; its per-image placeholder count
+    # The interface: a SupportsMultiModal model declaring M-RoPE; its per-image placeholder count
     # (dynamic resolution) is the processor's and the HF processor's.
-    from mmkit.models.interfaces import SupportsMultiModal, uses_mrope
+    from mmkit.models.interfaces import SupportsMultiModal
 
     mine = llm.llm_engine.model_runner.model
-    assert isinstance(mine, SupportsMultiModal) and uses_mrope(mine)
+    assert isinstance(mine, SupportsMultiModal) and llm.llm_engine.config.model.capabilities.uses_mrope
     for img in (IMG1, IMG2, IMG3, make_image(7, 300, 20)):
         ref = hf_inputs(qwen_ckpt, P_IMG, [img])
         count = type(mine).get_num_placeholder_tokens(llm.llm_engine.config.model.hf_config, img.size,

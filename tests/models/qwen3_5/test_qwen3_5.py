@@ -81,7 +81,7 @@ def assert_slots_returned(llm):
 
 def test_mixed_batch_equals_transformers(ckpt):
     llm = LLM(str(ckpt), dtype="float32")
-    spec = llm.llm_engine.config.model.state_spec
+    spec = llm.llm_engine.config.model.capabilities.state_spec
     assert spec.layer_ids == (0, 2) and spec.recurrent_shape == (4, 16, 16) and spec.conv_width == 3
     # KV blocks only for the full-attention layers; the state layers hold none
     kv = llm.llm_engine.model_runner.kv_caches
@@ -186,10 +186,10 @@ def test_state_slots_come_out_of_the_kv_budget(ckpt):
 
     engine = LLM(str(ckpt), dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=4).llm_engine
     mc = engine.config.model
-    state = 4 * mc.state_spec.bytes_per_slot(mc.dtype)
+    state = 4 * mc.capabilities.state_spec.bytes_per_slot(mc.dtype)
     assert engine.block_manager.num_blocks == ((1 << 20) - state) // bytes_per_block(mc, 16)
     with pytest.raises(ValueError, match=r"after the hybrid decoder's 256 per-request state slots .* lower max_num_seqs"):
-        LLM(str(ckpt), dtype="float32", kv_cache_memory=256 * mc.state_spec.bytes_per_slot(mc.dtype))
+        LLM(str(ckpt), dtype="float32", kv_cache_memory=256 * mc.capabilities.state_spec.bytes_per_slot(mc.dtype))
 
 
 def test_a_failed_step_recomputes_the_other_hybrid_sequences(ckpt, monkeypatch):

@@ -75,8 +75,7 @@ def check_batch(llm, path, selected=None):
 
 def test_mixed_batch_equals_transformers(ckpt):
     llm = LLM(str(ckpt), dtype="float32")
-    model = llm.llm_engine.model_runner.model
-    assert model.deepstack_num_layers == 2
+    assert llm.llm_engine.config.model.capabilities.deepstack_num_layers == 2
     outs = check_batch(llm, ckpt)
     # The prompt as transformers' processor expands it, timestamps included.
     video_ids = hf_inputs(ckpt, P_VID, videos=FRAMES)["input_ids"][0].tolist()

@@ -1,4 +1,4 @@
-"""The C decoder stack (mmkit/layers/decode_stack.py): bit-identical to the per-module path it
+"""The C decoder stack (models/llama_decode_stack.py): bit-identical to the per-module path it
 replaces, on decode steps and on steps with prefill chunks (chunked, and mixed with decodes),
 taken exactly where every layer is the plain Llama block on panels, and rebuilt when the panels
 are re-bound."""
@@ -9,7 +9,7 @@ import pytest
 
 from mmkit import LLM, SamplingParams
 from mmkit.layers import linear_panels, quant_panels
-from mmkit.layers.decode_stack import DecodeStack
+from mmkit.models.llama_decode_stack import DecodeStack
 from mmkit.testing import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not linear_panels.available(), reason="no panel kernels (AVX512-BF16 or AVX2) in this build")
@@ -157,7 +157,7 @@ def test_prefill_with_sdpa_takes_the_modules(ckpts, monkeypatch):
 
 
 def test_scratch_is_kept_between_steps_up_to_its_cap(ckpts, monkeypatch):
-    from mmkit.layers import decode_stack
+    from mmkit.models import llama_decode_stack as decode_stack
     _, _, _, llm = _generate(ckpts["llava"], monkeypatch, True, dtype="float32")
     stack = _decoder(llm).decode_stack()
     kept = stack._work

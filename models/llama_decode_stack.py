@@ -1,4 +1,5 @@
-"""The whole decoder stack of a step in one C call (`csrc/decode_stack_cpu.c`).
+"""The Llama family's decode fast path: the whole decoder stack of a step in one C call
+(`mmkit/layers/csrc/decode_stack_cpu.c`, built with the other kernels by `mmkit/layers/cpu_kernels.py`).
 
 At batch 1 the per-module path pays 7-16 us of ctypes and tensor handling around each of about
 ten small kernels per layer, close to half of the step on the 30-layer benchmark model. In a
@@ -74,7 +75,7 @@ def enabled() -> bool:
 
 def _linear_record(mod: torch.nn.Module, dtype: torch.dtype) -> tuple[_Linear, int | None, tuple] | None:
     """(record, rows above which the module leaves the panels or None, tensors to keep alive)."""
-    from mmkit.models.llama import Linear  # noqa: PLC0415 - models/ imports mmkit.layers, not the reverse
+    from mmkit.models.llama import Linear  # noqa: PLC0415 - llama.py imports this module
     lora_keep = None
     if hasattr(mod, "lora_record"):  # mmkit/lora/layers.py: the base projection plus its LoRA slots
         lora_keep = mod.lora_record(_Lora)
@@ -132,7 +133,7 @@ class DecodeStack:
     @classmethod
     def build(cls, model: torch.nn.Module) -> "DecodeStack | None":
         """None unless every layer of `model` (a `LlamaModel`) is the plain Llama block on panels."""
-        from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # noqa: PLC0415
+        from mmkit.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # noqa: PLC0415 - (a cycle)
         dtype = model.norm.weight.dtype
         if (not enabled() or not len(model.layers) or cpu_kernels.library() is None or dtype not in _DTYPES or not model.norm.weight.is_cpu
                 or (dtype is torch.float32 and not fused_f32.enabled()) or type(model.norm) is not RMSNorm):
