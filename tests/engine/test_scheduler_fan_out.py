@@ -112,8 +112,8 @@ def test_without_prefix_caching_each_child_computes_its_prompt():
 
 
 def test_preempting_one_child_leaves_its_siblings_and_it_resumes_from_the_cache():
-    # 8 blocks: the prompt's 2 shared blocks + 3 partial ones; decoding needs one more block per
-    # child at token 12, so the newest child is preempted while the others go on.
+    # 6 blocks: the prompt's 2 shared blocks + 3 partial ones + 1 free; at position 12 every
+    # child needs one more block, so the newest child is preempted while the others go on.
     engine = Engine(num_blocks=6)
     bm = engine.bm
     groups = engine.add("r", n=3)
