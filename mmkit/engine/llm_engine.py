@@ -5,8 +5,8 @@ the `ModelRunner` gets an immutable `SchedulerOutput` per step and keeps its own
 per-sequence cache; the `OutputProcessor` owns text, stop checks, logprobs, metrics and
 `RequestOutput`s. A request with n > 1 samples is fanned out here, at add time, into n
 independent scheduler requests (`engine/parent_request.py`, vLLM v1's `ParentRequest`) and
-gathered back by the output processor. `step()` is the one step driver for `LLM`, `AsyncLLMEngine` and
-evaluation, with one failure policy: a request that fails after admission (its image
+gathered back by the output processor. `step()` is the one step driver for `LLM`,
+`AsyncLLMEngine` and evaluation, with one failure policy: a request that fails after admission (its image
 cannot be processed) ends alone with its error (`take_request_errors`), the others go on.
 """
 

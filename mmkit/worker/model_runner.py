@@ -161,15 +161,15 @@ class ModelRunner:
             self.states.pop(seq_id, None)
             tables.remove(seq_id)
         for d in sched.new_seqs:
-            old = self.states.get(d.seq_id)
+            old = self.states.get(d.seq_id)  # a rebuild keeps its generator (and sampler state)
+            generator = old.generator if old is not None else self._make_generator(d.seed)
             state = self.states[d.seq_id] = CachedSeqState(
-                seq_id=d.seq_id, request_id=d.request_id, token_ids=list(d.token_ids), prompt_token_ids=d.token_ids[:d.num_prompt_tokens],
-                params=d.sampling_params, generator=old.generator if old is not None else self._make_generator(d.seed),
-                block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
+                seq_id=d.seq_id, request_id=d.request_id, token_ids=list(d.token_ids),
+                prompt_token_ids=d.token_ids[:d.num_prompt_tokens], params=d.sampling_params,
+                generator=generator, block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
-                bidirectional_ranges=d.bidirectional_ranges,
-                lora_request=d.lora_request, state_slot=d.state_slot)
+                bidirectional_ranges=d.bidirectional_ranges, lora_request=d.lora_request, state_slot=d.state_slot)
             tables.set_table(d.seq_id, d.block_ids)
             if self.state_cache is not None:
                 self._start_state(d)
