@@ -70,7 +70,7 @@ def measure(batch: int, context: int, steps: int, block_size: int, prefix_cachin
     for i in range(batch):
         # The first token differs per sequence: no prefix is shared (nothing is a cache hit).
         ids = [1000 + i] + [(i + j) % 200 for j in range(context - 1)]
-        group = SequenceGroup.create(f"r{i}", ProcessedPrompt(i, None, ids), params, [i])
+        group = SequenceGroup.create(f"r{i}", ProcessedPrompt(i, None, ids), params, i)
         sched.add_request(group)
 
     def step() -> None:
@@ -86,7 +86,7 @@ def measure(batch: int, context: int, steps: int, block_size: int, prefix_cachin
             c.state.num_computed_tokens = c.end
             c.state.token_ids.append(7)  # the runner appends what it samples
         seq_ids = list(out.num_scheduled_tokens)
-        sched.update_from_output(out, seq_ids, [1] * len(seq_ids), [7] * len(seq_ids))
+        sched.update_from_output(out, seq_ids, [7] * len(seq_ids))
 
     step()  # the prefill of every prompt
     walls, cpus = [], []

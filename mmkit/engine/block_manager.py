@@ -1,9 +1,11 @@
-"""BlockManager: fixed-size KV blocks, a free list, ref counts, copy-on-write and the
-prefix cache.
+"""BlockManager: fixed-size KV blocks, a free list, ref counts and the prefix cache (vLLM
+v1's KV cache manager).
 
-A block holds `block_size` consecutive token positions of one sequence (for every layer).
-Sequences forked from one prompt (n > 1) share the prompt's blocks; a shared block is
-copied before a sequence writes into it.
+A block holds `block_size` consecutive token positions (for every layer). A block is shared
+only through the prefix cache: full blocks, never written again, so nothing is ever copied
+(the n samples of one prompt are independent requests that hit the same cached blocks).
+The block manager decides and returns (cached prefixes with the number of tokens they hold,
+the new block ids of an allocation); it writes nothing into the scheduler's requests.
 
 Prefix caching: a full block gets a hash chaining its parent's hash, its token ids and,
 where it covers image placeholders, each image's content hash and offset (placeholder ids
@@ -17,7 +19,7 @@ memory follows the blocks in use instead of walking through the pool's never-wri
 (on CPU the pool is committed page by page on first write; see kv_cache.py).
 
 Block tables are the block manager's own (vLLM v1's `req_to_blocks`): `seq_id -> [block id]`,
-written only here; the scheduler reads them (`get_block_ids`, `block_ids_from`) to describe a
+written only here; the scheduler reads them (`get_block_ids`, the ids `allocate` returns) to describe a
 step, and `Sequence` holds no copy.
 
 Registration is incremental (vLLM v1's `num_cached_block`): each sequence remembers how many
@@ -88,21 +90,10 @@ class BlockManager:
         """`seq`'s block table (empty while it holds no block)."""
         return tuple(self.req_to_blocks.get(seq.seq_id, ()))
 
-    def num_held_blocks(self, seq: Sequence) -> int:
-        """Entries of `seq`'s block table (released out-of-window ones included)."""
-        return len(self.req_to_blocks.get(seq.seq_id, ()))
-
-    def block_ids_from(self, seq: Sequence, index: int) -> tuple[int, ...]:
-        """`seq`'s block table from entry `index` on (the blocks a step added)."""
-        return tuple(self.req_to_blocks.get(seq.seq_id, ())[index:])
-
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to take from the free list so `seq` can write `num_new_tokens` more tokens."""
         end = seq.num_computed_tokens + num_new_tokens
-        needed = blocks_needed(end, self.block_size) - self.num_held_blocks(seq)
-        if num_new_tokens > 0 and self._first_write_is_shared(seq):
-            needed += 1  # copy-on-write of the shared partial block
-        return max(needed, 0)
+        return max(blocks_needed(end, self.block_size) - len(self.req_to_blocks.get(seq.seq_id, ())), 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
@@ -187,42 +178,17 @@ class BlockManager:
                     self._uncache(block_hash)
 
     # ------------------------------------------------------------------ mutations
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Extend `seq`'s block table to cover its next `num_new_tokens` positions.
-
-        Returns the (src, dst) block copies the runner must do first (copy-on-write).
-        """
-        copies: list[tuple[int, int]] = []
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Extend `seq`'s block table to cover its next `num_new_tokens` positions; returns
+        the block ids added (what the runner appends to its copy of the table)."""
         table = self.req_to_blocks.setdefault(seq.seq_id, [])
-        if num_new_tokens > 0 and self._first_write_is_shared(seq):
-            idx = seq.num_computed_tokens // self.block_size
-            src = table[idx]
-            dst = self._take()
-            self._release(src)
-            table[idx] = dst
-            copies.append((src, dst))
+        first_new = len(table)
         end = seq.num_computed_tokens + num_new_tokens
         while len(table) < blocks_needed(end, self.block_size):
             table.append(self._take())
         if not table:
             del self.req_to_blocks[seq.seq_id]  # nothing to hold (no new token)
-        return copies
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (n > 1 samples of one prompt)."""
-        table = list(self.req_to_blocks.get(parent.seq_id, ()))
-        for block_id in table:
-            if block_id != NULL_BLOCK:
-                self.ref_counts[block_id] += 1
-        if table:
-            self.req_to_blocks[child.seq_id] = table
-        if parent.seq_id in self._num_registered:
-            self._num_registered[child.seq_id] = self._num_registered[parent.seq_id]
-        for i in self._private.get(parent.seq_id, ()):  # shared private copies: the child's too
-            self._private.setdefault(child.seq_id, []).append(i)
-            self._blocked_by.setdefault(child.block_hashes[i], set()).add(child.seq_id)
-        if parent.seq_id in self._recheck:
-            self._recheck.add(child.seq_id)
+        return table[first_new:]
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the head of a prefix (shared most often) is evicted last.
@@ -263,7 +229,7 @@ class BlockManager:
         block is) published already: then it stays private until that key leaves the cache."""
         block_id = table[index]
         if block_id == NULL_BLOCK or self.block_hash[block_id] is not None:
-            return  # freed out of the window, or published (by this sequence or a fork)
+            return  # freed out of the window, or published already (a prefix-cache hit)
         block_hash = seq.block_hashes[index]
         if block_hash in self.cached:
             self._private.setdefault(seq.seq_id, []).append(index)
@@ -279,11 +245,6 @@ class BlockManager:
         waiting = self._blocked_by.pop(block_hash, None)
         if waiting:
             self._recheck |= waiting
-
-    def _first_write_is_shared(self, seq: Sequence) -> bool:
-        idx = seq.num_computed_tokens // self.block_size
-        table = self.req_to_blocks.get(seq.seq_id, ())
-        return idx < len(table) and self.ref_counts[table[idx]] > 1
 
     def _take(self) -> int:
         if self.free_unhashed:

@@ -3,8 +3,10 @@
 Who owns what (vLLM v1's split): the `Scheduler` owns requests, their counters and blocks;
 the `ModelRunner` gets an immutable `SchedulerOutput` per step and keeps its own
 per-sequence cache; the `OutputProcessor` owns text, stop checks, logprobs, metrics and
-`RequestOutput`s. `step()` is the one step driver for `LLM`, `AsyncLLMEngine` and
-evaluation, with one failure policy: a request that fails after admission (its image
+`RequestOutput`s. A request with n > 1 samples is fanned out here, at add time, into n
+independent scheduler requests (`engine/parent_request.py`, vLLM v1's `ParentRequest`) and
+gathered back by the output processor. `step()` is the one step driver for `LLM`,
+`AsyncLLMEngine` and evaluation, with one failure policy: a request that fails after admission (its image
 cannot be processed) ends alone with its error (`take_request_errors`), the others go on.
 """
 
@@ -22,6 +24,7 @@ from mmkit.config import EngineArgs, EngineConfig
 from mmkit.engine.block_manager import BlockManager, blocks_needed
 from mmkit.engine.encoder_cache_manager import EncoderCacheManager
 from mmkit.engine.output_processor import OutputProcessor
+from mmkit.engine.parent_request import ParentRequests, child_request_id, fan_out
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.scheduler_output import SchedulerOutput
 from mmkit.engine.state_cache_manager import StateCacheManager
@@ -81,6 +84,7 @@ class LLMEngine:
                                    preprocess=self.input_stage if self.input_stage.prefetches else None,
                                    state_cache=self.state_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.max_model_len)
+        self.parent_requests = ParentRequests()  # n > 1 requests: which children are still scheduled
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._request_errors: dict[str, BaseException] = {}
@@ -97,7 +101,8 @@ class LLMEngine:
 
     @property
     def groups(self) -> dict[str, SequenceGroup]:
-        """Unfinished requests (owned by the scheduler)."""
+        """Unfinished scheduler requests (owned by the scheduler; an n > 1 request's children
+        are under `"{index}_{request_id}"`)."""
         return self.scheduler.requests
 
     # ------------------------------------------------------------------ requests
@@ -107,20 +112,18 @@ class LLMEngine:
         adapter is read into the adapter cache, which serves every later request)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: got {type(request_id).__name__}; expected str")
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: got {type(params).__name__}; expected SamplingParams")
+        ids = [request_id] + ([child_request_id(request_id, i) for i in range(params.n)] if params.n > 1 else [])
+        for rid in ids:
+            if rid in self.scheduler.requests or rid in self.parent_requests:
+                raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
         if lora_request is not None:
             from mmkit.lora.engine_checks import check_lora_request
 
             check_lora_request(self, request_id, parsed.index, lora_request)
-        if params.n > 1 and self.state_cache_manager is not None:
-            raise ValueError(f"inputs[{parsed.index}] (request {request_id!r}): sampling_params.n={params.n}; "
-                             f"{self.config.model.architecture} keeps a per-request state that forks do not "
-                             f"copy, so expected n=1 (send the prompt n times with different seeds)")
         processed = self.process_inputs(parsed)
         if lora_request is not None:
             processed = dataclasses.replace(processed, lora_request=lora_request)
@@ -194,11 +197,14 @@ class LLMEngine:
         """Queue a request `process_request` accepted. `final_only`: build its
         `RequestOutput` once, when it finishes (no per-step outputs)."""
         params = params.clone(eos_token_ids=self.eos_token_ids)
-        group = SequenceGroup.create(request_id, processed, params, [self._seed(params, i) for i in range(params.n)])
+        children = fan_out(request_id, params, [self._seed(params, i) for i in range(params.n)])
+        child_ids = [child.request_id for child in children]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
-                                          params, final_only)
-        self.scheduler.add_request(group)
-        self.input_stage.add_request(request_id, processed.images, processed.image_embeds)
+                                          params, final_only, child_ids)
+        self.parent_requests.add(request_id, child_ids)
+        for child in children:
+            self.scheduler.add_request(SequenceGroup.create(child.request_id, processed, child.params, child.seed))
+            self.input_stage.add_request(child.request_id, processed.images, processed.image_embeds)
 
     def add_lora(self, lora_request: Any) -> None:
         """Load and check an adapter before any request names it (vLLM's `add_lora`)."""
@@ -220,26 +226,35 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            self.scheduler.abort_request(rid)
+            self._abort_children(rid)
             self.output_processor.remove(rid)
             self._request_errors.pop(rid, None)
-            self._release_images(rid)
 
+    def _abort_children(self, request_id: str) -> bool:
+        """Abort every scheduler request of user request `request_id`; True if one was held."""
+        held = False
+        for child_id in self.parent_requests.child_ids(request_id):
+            held |= self.scheduler.abort_request(child_id) is not None
+            self.parent_requests.child_done(child_id)
+            self._release_images(child_id)
+        return held
+
+    # NOTE: the counts below are of user requests: an n > 1 request's children count once.
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) - self.parent_requests.num_extra_children
 
     def has_unfinished_request(self, request_id: str) -> bool:
         """Whether the engine still holds `request_id` (added, not yet finished or aborted)."""
-        return request_id in self.scheduler.requests
+        return any(c in self.scheduler.requests for c in self.parent_requests.child_ids(request_id))
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting): requests with a sequence in the running set, and the rest."""
-        requests = len(self.scheduler.requests)
-        running = len({seq.group.request_id for seq in list(self.scheduler.running)})
-        return running, max(requests - running, 0)
+        parent_id = self.parent_requests.parent_id
+        running = len({parent_id(seq.group.request_id) for seq in list(self.scheduler.running)})
+        return running, max(self.get_num_unfinished_requests() - running, 0)
 
     # ------------------------------------------------------------------ what callers may ask
     # Entry points (LLM.chat, the server, eval, Ray rows, lmms-eval) ask these instead of
@@ -276,7 +291,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         touched: dict[str, SequenceGroup] = {}
         for seq in self.scheduler.take_finished_while_scheduling():  # out of KV cache
-            self.output_processor.finish_seq(seq.group.request_id, seq.index, seq.status)
+            self.output_processor.finish_seq(seq.group.request_id, seq.status)
             touched[seq.group.request_id] = seq.group
         if not sched.is_empty:
             now = time.time()
@@ -313,7 +328,7 @@ class LLMEngine:
     def _postprocess(self, sched, result, touched: dict[str, SequenceGroup]) -> None:
         out = result.sampler_output
         update = self.scheduler.update_from_output(
-            sched, result.sampled_seq_ids, result.row_counts, out.token_ids if out is not None else [])
+            sched, result.sampled_seq_ids, out.token_ids if out is not None else [])
         for seq in update.scheduled.values():
             touched[seq.group.request_id] = seq.group
         op = self.output_processor
@@ -322,22 +337,22 @@ class LLMEngine:
         now = time.time()
         stage = self.input_stage
         for seq, row in update.samples:
-            # Its prompt is computed: the items' inputs are done, unless a preempted sequence
-            # of the request still waits to recompute it (n > 1).
-            if stage.holds(seq.group.request_id) and not any(
-                    s.status is SequenceStatus.WAITING for s in seq.group.seqs):
-                stage.prompt_done(seq.group.request_id)
-            status = op.process_sample(seq.group.request_id, seq.index, out, row, now)
+            rid = seq.group.request_id
+            if stage.holds(rid):  # its prompt is computed: the items' inputs are done
+                stage.prompt_done(rid)
+            status = op.process_sample(rid, out, row, now)
             if status is not None:
                 self.scheduler.finish_seq(seq, status)
 
     def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
-        outputs = []
+        """One output per user request that progressed (its children gathered); finished
+        scheduler requests are forgotten."""
+        op = self.output_processor
+        parents = dict.fromkeys(pid for pid in map(op.parent_id, touched) if pid is not None)
+        outputs = [o for o in map(op.make_output, parents) if o is not None]
         for rid, group in touched.items():
-            output = self.output_processor.make_output(rid)
-            if output is not None:
-                outputs.append(output)
             if self.scheduler.remove_if_finished(group):
+                self.parent_requests.child_done(rid)
                 self._release_images(rid)
         return outputs
 
@@ -346,10 +361,10 @@ class LLMEngine:
 
     def _fail_requests(self, exc: RequestError) -> list[RequestOutput]:
         outputs = []
-        for rid in exc.request_ids:
-            group = self.scheduler.abort_request(rid)
-            self._release_images(rid)
-            if group is None:
+        # The failed scheduler requests' user requests end whole (every sibling sample too).
+        parents = dict.fromkeys(self.output_processor.parent_id(rid) or rid for rid in exc.request_ids)
+        for rid in parents:
+            if not self._abort_children(rid):
                 continue
             self.output_processor.finish_request(rid, SequenceStatus.FINISHED_ABORTED)
             output = self.output_processor.make_output(rid)
@@ -366,7 +381,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ metrics
     def get_metrics(self) -> dict[str, int]:
-        metrics = dict(self.scheduler.stats)
+        metrics = dict(self.output_processor.stats)
         metrics["num_preemptions"] = self.scheduler.num_preemptions
         metrics["prefix_cache_queries"] = self.block_manager.num_cache_queries
         metrics["prefix_cache_hits"] = self.block_manager.num_cache_hits

@@ -5,6 +5,11 @@ reasons, prompt logprobs and timing metrics; it appends each sampled token, deci
 (EOS, stop token ids, stop strings, max_tokens, max_model_len) and builds `RequestOutput`s.
 The scheduler owns token counters and blocks and is told which sequences stop.
 
+A request with n > 1 samples reaches the scheduler as n child requests (vLLM v1's
+`ParentRequest`, engine/parent_request.py); here they are one `RequestState` again: child i
+fills sample i, and the request is finished when every child is. The request-level counters
+of `get_metrics()` are counted here, per user request (`stats`).
+
 Outputs: a streaming request (AsyncLLMEngine) gets one per step it progresses; a request
 added with `final_only=True` (LLM.generate, evaluation) gets exactly one, when it finishes,
 so no per-token O(length) copies of ids and text are made for it.
@@ -50,6 +55,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     final_only: bool
+    child_ids: tuple[str, ...]  # the scheduler request of each sample, by index
     seqs: dict[int, SeqOutputState] = field(default_factory=dict)  # sample index -> state
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.time)
@@ -69,35 +75,52 @@ class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by the user's request id
+        self._children: dict[str, tuple[RequestState, int]] = {}  # scheduler request id -> (state, sample)
         self.num_outputs_built = 0  # RequestOutput objects made (a test counts them)
+        # Per user request (the children of an n > 1 request count once): requests finished
+        # (not aborted), prompt tokens (at the first token), generated tokens.
+        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, final_only: bool) -> None:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, final_only,
+                    params: SamplingParams, final_only: bool, child_ids: list[str]) -> None:
+        """A user request whose sample i is computed by scheduler request `child_ids[i]`."""
+        state = RequestState(request_id, prompt, prompt_token_ids, params, final_only, tuple(child_ids),
                              text_at_finish_only=final_only and not params.stop)
-        state.seqs[0] = SeqOutputState(0, list(prompt_token_ids), len(prompt_token_ids))
+        for index, child_id in enumerate(child_ids):
+            state.seqs[index] = SeqOutputState(index, list(prompt_token_ids), len(prompt_token_ids))
+            self._children[child_id] = (state, index)
         self.requests[request_id] = state
 
-    def remove(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def parent_id(self, child_id: str) -> str | None:
+        """The user request a scheduler request belongs to (None once it is forgotten)."""
+        entry = self._children.get(child_id)
+        return entry[0].request_id if entry is not None else None
 
-    def record_scheduled(self, request_id: str, now: float) -> None:
-        state = self.requests.get(request_id)
-        if state is not None and state.first_scheduled_time is None:
-            state.first_scheduled_time = now
+    def remove(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._forget_children(state)
+
+    def _forget_children(self, state: RequestState) -> None:
+        for child_id in state.child_ids:
+            self._children.pop(child_id, None)
+
+    def record_scheduled(self, child_id: str, now: float) -> None:
+        entry = self._children.get(child_id)
+        if entry is not None and entry[0].first_scheduled_time is None:
+            entry[0].first_scheduled_time = now
 
     # ------------------------------------------------------------------ per token
-    def process_sample(self, request_id: str, index: int, out: SamplerOutput, row: int,
-                       now: float) -> SequenceStatus | None:
-        """Append the sampled token of row `row` to sample `index`; return its stop status."""
-        state = self.requests[request_id]
-        seq = state.seqs.get(index)
-        if seq is None:  # a fork (n > 1): it shares the prompt, its first token is this one
-            seq = state.seqs[index] = SeqOutputState(index, list(state.prompt_token_ids),
-                                                     len(state.prompt_token_ids))
+    def process_sample(self, child_id: str, out: SamplerOutput, row: int, now: float) -> SequenceStatus | None:
+        """Append the sampled token of row `row` to the sample scheduler request `child_id`
+        computes; return its stop status."""
+        state, index = self._children[child_id]
+        seq = state.seqs[index]
+        self.stats["generation_tokens"] += 1
         if state.first_token_time is None:
             state.first_token_time = now
+            self.stats["prompt_tokens"] += len(state.prompt_token_ids)
         state.last_token_time = now
         params = state.params
         token = out.token_ids[row]
@@ -116,29 +139,30 @@ class OutputProcessor:
             seq.finish_reason = status.value
         return status
 
-    def finish_seq(self, request_id: str, index: int, status: SequenceStatus) -> None:
-        """A stop decided elsewhere (out of KV cache, abort, a failed request)."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return
-        seq = state.seqs.get(index)
-        if seq is None:
-            seq = state.seqs[index] = SeqOutputState(index, list(state.prompt_token_ids), len(state.prompt_token_ids))
+    def finish_seq(self, child_id: str, status: SequenceStatus) -> None:
+        """A stop decided elsewhere (out of KV cache) for scheduler request `child_id`."""
+        entry = self._children.get(child_id)
+        if entry is not None:
+            self._finish_sample(entry[0], entry[1], status)
+
+    def _finish_sample(self, state: RequestState, index: int, status: SequenceStatus) -> None:
+        seq = state.seqs[index]
         if seq.finish_reason is None:
             seq.finish_reason = status.value
             if state.text_at_finish_only:
                 detokenizer.flush(self.tokenizer, seq, state.params, drop_last=False)
 
     def finish_request(self, request_id: str, status: SequenceStatus) -> None:
-        """Every sample of the request stops (a failed request)."""
+        """Every sample of user request `request_id` stops (a failed request)."""
         state = self.requests.get(request_id)
         if state is not None:
             for index in range(state.params.n):
-                self.finish_seq(request_id, index, status)
+                self._finish_sample(state, index, status)
 
-    def add_prompt_logprobs(self, request_id: str, start: int, lp: torch.Tensor) -> None:
-        """Logprobs of prompt tokens start+1 .. start+len(lp) from a prefill chunk's rows."""
-        state = self.requests[request_id]
+    def add_prompt_logprobs(self, child_id: str, start: int, lp: torch.Tensor) -> None:
+        """Logprobs of prompt tokens start+1 .. start+len(lp) from a prefill chunk's rows (of
+        sample 0: the only child of an n > 1 request that asks for them)."""
+        state = self._children[child_id][0]
         prompt = state.prompt_token_ids
         k = state.params.prompt_logprobs
         if state.prompt_logprobs is None:
@@ -170,6 +194,9 @@ class OutputProcessor:
             return None
         if finished:
             del self.requests[request_id]
+            self._forget_children(state)
+            if any(s.finish_reason != SequenceStatus.FINISHED_ABORTED.value for s in state.seqs.values()):
+                self.stats["num_requests_finished"] += 1
         params = state.params
         completions = []
         for index in sorted(state.seqs):

@@ -12,8 +12,12 @@ Encoder work is scheduled here too (vLLM v1), by `EncoderScheduler`
 budget nor the encoder cache has room for.
 
 `schedule()` returns a frozen `SchedulerOutput` (mmkit/engine/scheduler_output.py); after the
-runner computed it, `update_from_output` advances the counters, appends sampled tokens and
-forks n > 1 samples. The scheduler keeps the step's mutable bookkeeping (`StepPlan`) itself.
+runner computed it, `update_from_output` advances the counters and appends sampled tokens.
+The scheduler keeps the step's mutable bookkeeping (`StepPlan`) itself. Every request has one
+sample (vLLM v1): n > 1 arrives as n independent requests (engine/parent_request.py), which
+share the prompt's blocks through the prefix cache, so nothing is forked or copied here.
+The block manager decides and returns (cached prefixes and their token counts, new block
+ids); the scheduler alone writes what a request records of it (`num_computed_tokens`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens [start, start + num_new_tokens)
     start: int
     new_block_ids: tuple[int, ...] = ()
-    replaced_blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
@@ -50,7 +53,6 @@ class StepPlan:
     """The scheduler's own record of the step in flight (never given to the runner)."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     published_blocks: list[int] = field(default_factory=list)  # prefix-cache entries of this step
     encoder_inputs: list[EncoderInput] = field(default_factory=list)
@@ -96,7 +98,6 @@ class Scheduler:
         self._waiting = SeqQueue()
         self._running = SeqQueue()
         self.num_preemptions = 0
-        self.stats = {"num_requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._known_to_runner: set[int] = set()  # seq ids the runner holds a state for
         self._finished_seq_ids: set[int] = set()  # to tell the runner in the next step
         self._finished_while_scheduling: list[Sequence] = []  # out of KV cache: "length"
@@ -124,16 +125,12 @@ class Scheduler:
 
     def add_request(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group
-        # Only the first sequence is prefilled; the others fork from it (see Sequence).
-        self.waiting.append(group.seqs[0])
+        self.waiting.append(group.seq)
 
     def abort_request(self, request_id: str) -> SequenceGroup | None:
         group = self.requests.pop(request_id, None)
         if group is not None:
-            for seq in group.seqs:
-                self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-            for child in group.drop_pending_forks():
-                self._finished_seq_ids.add(child.seq_id)
+            self.finish_seq(group.seq, SequenceStatus.FINISHED_ABORTED)
         return group
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -155,7 +152,6 @@ class Scheduler:
         """Forget a finished request (its outputs are built); True if it was removed now."""
         if group.is_finished and self.requests.get(group.request_id) is group:
             del self.requests[group.request_id]
-            self.stats["num_requests_finished"] += 1
             return True
         return False
 
@@ -199,7 +195,7 @@ class Scheduler:
         for s in plan.scheduled:
             seq = s.seq
             if seq.seq_id in self._known_to_runner:
-                cached.append(CachedSeqData(seq.seq_id, s.new_block_ids, s.replaced_blocks, s.start))
+                cached.append(CachedSeqData(seq.seq_id, s.new_block_ids, s.start))
             else:
                 new.append(self._new_seq_data(seq, s.start))
                 self._known_to_runner.add(seq.seq_id)
@@ -207,22 +203,21 @@ class Scheduler:
         return SchedulerOutput(
             new_seqs=tuple(new), cached_seqs=tuple(cached),
             num_scheduled_tokens={s.seq.seq_id: s.num_new_tokens for s in plan.scheduled},
-            finished_seq_ids=finished, block_copies=tuple(plan.block_copies),
+            finished_seq_ids=finished,
             encoder_inputs=tuple(plan.encoder_inputs), free_encoder_keys=self.encoder_cache.take_freed())
 
     def _new_seq_data(self, seq: Sequence, num_computed: int) -> NewSeqData:
         group = seq.group
         processed = group.processed
         ranges = tuple(processed.placeholder_ranges)
-        forks = tuple((c.seq_id, c.seed) for c in group.pending_forks[:seq.num_pending_forks])
         return NewSeqData(
-            seq_id=seq.seq_id, request_id=group.request_id, sample_index=seq.index,
+            seq_id=seq.seq_id, request_id=group.request_id,
             token_ids=tuple(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
             sampling_params=group.params, seed=seq.seed, block_ids=self.block_manager.get_block_ids(seq),
             num_computed_tokens=num_computed, placeholder_ranges=ranges,
             encoder_keys=tuple(self.encoder.keys(group)) if ranges else (),
             mrope_positions=processed.mrope_positions, mrope_position_delta=processed.mrope_position_delta,
-            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)), pending_forks=forks,
+            bidirectional_ranges=tuple(map(tuple, processed.bidirectional_ranges)),
             lora_request=getattr(processed, "lora_request", None),
             state_slot=self.state_cache.allocate(seq.seq_id) if self.state_cache is not None else -1)
 
@@ -260,12 +255,8 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
         bm = self.block_manager
         start = seq.num_computed_tokens
-        old_len = bm.num_held_blocks(seq)
-        copies = bm.allocate(seq, num_new)
-        plan.block_copies.extend(copies)
-        # Copy-on-write replaces the block the first new token goes to.
-        replaced = tuple((start // bm.block_size, dst) for _src, dst in copies)
-        plan.scheduled.append(ScheduledSeq(seq, num_new, start, bm.block_ids_from(seq, old_len), replaced))
+        new_block_ids = bm.allocate(seq, num_new)
+        plan.scheduled.append(ScheduledSeq(seq, num_new, start, tuple(new_block_ids)))
         if bm.enable_prefix_caching:
             update_block_hashes(seq, bm.block_size)
             plan.published_blocks.extend(bm.register_full_blocks(seq, start + num_new))
@@ -344,10 +335,10 @@ class Scheduler:
         return ids
 
     # ------------------------------------------------------------------ after the step
-    def update_from_output(self, sched: SchedulerOutput, sampled_seq_ids: list[int], row_counts: list[int],
+    def update_from_output(self, sched: SchedulerOutput, sampled_seq_ids: list[int],
                            token_ids: list[int]) -> StepUpdate:
-        """Advance the counters of the computed step, append sampled tokens (forking n > 1
-        samples at their first token)."""
+        """Advance the counters of the computed step and append the sampled tokens (one per
+        sampled sequence, in sampler row order)."""
         plan, self._plan = self._plan, None
         by_id = {}
         for s in plan.scheduled:
@@ -358,19 +349,10 @@ class Scheduler:
         for s in plan.scheduled:
             self.encoder.release_computed(s.seq)
         samples: list[tuple[Sequence, int]] = []
-        row = 0
-        for seq_id, count in zip(sampled_seq_ids, row_counts):
+        for row, seq_id in enumerate(sampled_seq_ids):
             seq = by_id[seq_id]
-            if seq.num_output_tokens == 0:  # first sample (not a recompute after preemption)
-                self.stats["prompt_tokens"] += seq.num_prompt_tokens
-            targets = [seq]
-            if seq.num_pending_forks:
-                targets += self._fork(seq, count - 1)
-            for i, target in enumerate(targets):
-                target.token_ids.append(token_ids[row + i])
-                samples.append((target, row + i))
-            self.stats["generation_tokens"] += len(targets)
-            row += count
+            seq.token_ids.append(token_ids[row])
+            samples.append((seq, row))
         return StepUpdate(by_id, samples)
 
     def step_failed(self, sched: SchedulerOutput) -> None:
@@ -411,10 +393,3 @@ class Scheduler:
                     self.state_cache.free(seq.seq_id)
                 seq.reset_for_recompute()
                 self.waiting.appendleft(seq)
-
-    def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
-        children = parent.group.take_forks(parent, num_children)
-        for child in children:
-            self.block_manager.fork(parent, child)  # the prompt's blocks, shared
-            self.running.append(child)
-        return children

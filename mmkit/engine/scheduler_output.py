@@ -3,7 +3,8 @@
 vLLM v1's split: the scheduler owns requests and their counters (`mmkit/engine/`); the
 runner (`mmkit/worker/`) sees only these frozen records and keeps its own per-sequence
 cache (`mmkit/worker/seq_state.py`), updated from them at the start of each step. The unit
-is a sequence (one of a request's `n` samples), named by `seq_id`.
+is a sequence (a scheduler request's one token stream: n > 1 user requests arrive as n
+requests), named by `seq_id`.
 
 - `NewSeqData`: a sequence the runner has not seen (or must rebuild): everything it needs.
 - `CachedSeqData`: a sequence the runner knows: new blocks and the computed-token count
@@ -41,11 +42,10 @@ class EncoderInput:
 class NewSeqData:
     seq_id: int
     request_id: str
-    sample_index: int  # which of the request's n samples
-    token_ids: tuple[int, ...]  # prompt + tokens generated so far (a fork or a rebuild)
+    token_ids: tuple[int, ...]  # prompt + tokens generated so far (a rebuild after preemption)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    seed: int  # of this sample's generator (the runner keeps an existing one)
+    seed: int  # of the sequence's generator (the runner keeps an existing one)
     block_ids: tuple[int, ...]
     num_computed_tokens: int
     placeholder_ranges: tuple[tuple[int, int], ...] = ()
@@ -53,9 +53,6 @@ class NewSeqData:
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] (a family declaring uses_mrope)
     mrope_position_delta: int = 0
     bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans
-    # Samples 1..n-1 of a request before its prompt is computed: (seq_id, seed) each; their
-    # first tokens come from this sequence's last prompt row (see engine/sequence.py).
-    pending_forks: tuple[tuple[int, int], ...] = ()
     lora_request: Any = None  # mmkit.lora.LoRARequest or None
     state_slot: int = -1  # a hybrid decoder's per-request state slot (engine/state_cache_manager.py)
 
@@ -64,7 +61,6 @@ class NewSeqData:
 class CachedSeqData:
     seq_id: int
     new_block_ids: tuple[int, ...]  # appended to its block table
-    replaced_blocks: tuple[tuple[int, int], ...]  # (index, block id): copy-on-write targets
     num_computed_tokens: int
     resumed: bool = False  # after preemption: `new_block_ids` is the whole table
 
@@ -75,7 +71,6 @@ class SchedulerOutput:
     cached_seqs: tuple[CachedSeqData, ...] = ()
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # in schedule order
     finished_seq_ids: frozenset[int] = frozenset()
-    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), before the forward
     encoder_inputs: tuple[EncoderInput, ...] = ()  # to encode, in order
     free_encoder_keys: tuple[str, ...] = ()  # entries the runner drops (before encoding)
 

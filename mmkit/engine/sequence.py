@@ -1,11 +1,17 @@
-"""Requests (`SequenceGroup`) and their sequences: the scheduler's state.
+"""Requests (`SequenceGroup`) and their token streams (`Sequence`): the scheduler's state.
 
+vLLM v1's request model: one scheduler request is one sample. A user request with n > 1 is
+fanned out by the engine at add time into n independent requests (`engine/parent_request.py`,
+each with its own seed) and gathered again by the output processor, so nothing here forks.
 The scheduler owns these objects (`Scheduler.requests`): token ids, computed-token counts,
 status and prefix-cache keys (the block tables are the block manager's, keyed by `seq_id`).
-A request's n > 1 samples are made and forked here alone (`SequenceGroup.create`,
-`take_forks`, `drop_pending_forks`). The runner never sees them (it gets a
-`SchedulerOutput` and keeps its own per-sequence cache); the output processor keeps the
-text, logprobs and metrics of each request (`mmkit/engine/output_processor.py`).
+The runner never sees them (it gets a `SchedulerOutput` and keeps its own per-sequence
+cache); the output processor keeps the text, logprobs and metrics of each request
+(`mmkit/engine/output_processor.py`).
+
+Why two classes for one request: `SequenceGroup` holds what the request was given (processed
+prompt, sampling params, item hashes and encoder keys), `Sequence` what the scheduler advances
+(tokens, `num_computed_tokens`, status, block hashes), as vLLM v1's `Request` holds both.
 """
 
 from __future__ import annotations
@@ -62,7 +68,6 @@ class Sequence(TokenCounts):
     """One token stream: the prompt followed by its generated tokens."""
 
     group: "SequenceGroup"
-    index: int  # which of the request's n samples
     token_ids: list[int]
     num_prompt_tokens: int
     seed: int = 0  # of the sampling generator the runner keeps for this sample
@@ -70,10 +75,6 @@ class Sequence(TokenCounts):
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key (SHA-256) of each full block
-    # NOTE: the sampling pass that finishes the prompt of a request with n > 1 samples
-    # produces all n first tokens; the other n - 1 sequences are forked from this one.
-    num_pending_forks: int = 0
-
 
     @property
     def is_finished(self) -> bool:
@@ -98,57 +99,32 @@ class Sequence(TokenCounts):
         self.status = SequenceStatus.WAITING
 
     def __repr__(self) -> str:
-        return (f"Sequence(req={self.group.request_id!r}, idx={self.index}, tokens={self.num_tokens}, "
+        return (f"Sequence(req={self.group.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, status={self.status.value})")
 
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """One request: a processed prompt, its sampling params and its n sequences."""
+    """One scheduler request: a processed prompt, its sampling params (n = 1) and its sequence."""
 
     request_id: str
     processed: "ProcessedPrompt"
     params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    # Samples 1..n-1 before the prompt is computed: they exist (with their seeds) but join
-    # `seqs` only when forked from seqs[0] after its prefill.
-    pending_forks: list[Sequence] = field(default_factory=list)
+    seq: Sequence = field(init=False)
     image_hashes: list[str] | None = None  # content hash per image, computed on first use
     encoder_keys: list[str] | None = None  # encoder-cache key per item (set by the scheduler)
 
     @classmethod
     def create(cls, request_id: str, processed: "ProcessedPrompt", params: SamplingParams,
-               seeds: list[int]) -> "SequenceGroup":
-        """A request with `len(seeds)` (= params.n) samples: the first is prefilled, the others
-        wait in `pending_forks` (with their seeds) until its first sampling pass."""
+               seed: int) -> "SequenceGroup":
+        """A request of one sample whose sampling generator starts from `seed`."""
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: a scheduler request has one sample; got n={params.n} "
+                             f"(LLMEngine fans n > 1 out into child requests)")
         group = cls(request_id=request_id, processed=processed, params=params)
-        seqs = [Sequence(group=group, index=i, token_ids=list(processed.prompt_token_ids),
-                         num_prompt_tokens=len(processed.prompt_token_ids), seed=seed)
-                for i, seed in enumerate(seeds)]
-        group.seqs, group.pending_forks = seqs[:1], seqs[1:]
-        seqs[0].num_pending_forks = len(seeds) - 1
+        group.seq = Sequence(group=group, token_ids=list(processed.prompt_token_ids),
+                             num_prompt_tokens=len(processed.prompt_token_ids), seed=seed)
         return group
-
-    def take_forks(self, parent: Sequence, count: int) -> list[Sequence]:
-        """Fork `count` pending samples from `parent` once its prompt is computed: each gets its
-        tokens, computed count and prefix keys, and joins `seqs` (the caller shares the blocks
-        and appends each sample's first token)."""
-        children, self.pending_forks = self.pending_forks[:count], self.pending_forks[count:]
-        parent.num_pending_forks = 0
-        for child in children:
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_hashes = list(parent.block_hashes)
-            child.status = SequenceStatus.RUNNING
-            self.seqs.append(child)
-        return children
-
-    def drop_pending_forks(self) -> list[Sequence]:
-        """The request ends before its samples were forked (aborted): they never run."""
-        dropped, self.pending_forks = self.pending_forks, []
-        for seq in self.seqs:
-            seq.num_pending_forks = 0
-        return dropped
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -156,7 +132,7 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and not self.pending_forks
+        return self.seq.is_finished
 
     def get_image_hashes(self) -> list[str]:
         if self.image_hashes is None:

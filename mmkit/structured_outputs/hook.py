@@ -22,8 +22,8 @@ KEY = "structured_outputs"
 class StructuredOutputHook:
     """Masks constrained rows before sampling and advances their matchers after it.
 
-    - `on_new_seq`: a fresh matcher (the compiled grammar comes from the engine's cache); a
-      fork of an n > 1 request arrives with its first token and replays it.
+    - `on_new_seq`: a fresh matcher (the compiled grammar comes from the engine's cache); each
+      of an n > 1 request's samples is a request of its own, with its own matcher.
     - `apply`: one bitmask fill for every active matcher of the step, applied in place
       (logits [rows, vocab], any float dtype); a matcher that accepted EOS (the sequence
       goes on only under `ignore_eos`) allows EOS alone. A matcher out of step with its
@@ -40,9 +40,7 @@ class StructuredOutputHook:
         params = state.params.structured_outputs
         if params is None:
             return
-        request = self.backend.new_request(params)
-        outputs = state.token_ids[state.num_prompt_tokens:]
-        state.sampler_state[KEY] = request.rebuild(outputs) if outputs else request
+        state.sampler_state[KEY] = self.backend.new_request(params)
 
     def apply(self, logits: torch.Tensor, states: list) -> None:
         indices: list[int] = []

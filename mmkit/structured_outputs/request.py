@@ -7,9 +7,8 @@ class StructuredOutputRequest:
     """One sequence's position in its grammar.
 
     The runner's hook (`hook.py`) reads `matcher` to fill this row's token bitmask and calls
-    `accept` with each sampled token. `fork()` is an independent copy at the same position;
-    `rebuild(output_token_ids)` replays a sequence whose matcher is new (an n > 1 fork that
-    arrives with its first token) or out of step with its tokens.
+    `accept` with each sampled token. `rebuild(output_token_ids)` replays a sequence whose
+    matcher is out of step with its tokens.
     """
 
     def __init__(self, compiled_grammar, matcher=None) -> None:
@@ -35,11 +34,6 @@ class StructuredOutputRequest:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
             self.num_tokens -= num_tokens
-
-    def fork(self) -> "StructuredOutputRequest":
-        child = StructuredOutputRequest(self.compiled_grammar, self.matcher.fork())
-        child.num_accepted, child.num_tokens = self.num_accepted, self.num_tokens
-        return child
 
     def rebuild(self, output_token_ids: list[int]) -> "StructuredOutputRequest":
         """A fresh matcher replayed over the tokens generated so far (it stops advancing at

@@ -1,5 +1,5 @@
 """BlockTables: the runner's block tables as rows of one persistent int64 tensor (vLLM v1's
-`BlockTable`), written only where a block is added, replaced or freed.
+`BlockTable`), written only where a block is added or freed.
 
 A step's decode metadata is then one row gather in C (`gather`), instead of re-flattening
 every sequence's whole table in Python each step (O(batch x blocks) Python work per step,
@@ -38,9 +38,6 @@ class BlockTables:
         self._grow_cols(end)
         self._np[self._row_of[seq_id], start:end] = block_ids
         self._num_blocks[seq_id] = end
-
-    def replace(self, seq_id: int, index: int, block_id: int) -> None:
-        self._np[self._row_of[seq_id], index] = block_id
 
     def remove(self, seq_id: int) -> None:
         row = self._row_of.pop(seq_id, None)

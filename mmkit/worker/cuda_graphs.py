@@ -127,12 +127,6 @@ class DecodeBuffers:
         self.refresh(padded)
         return BufferUpdate(n, padded, len(rows), rewritten)
 
-    def invalidate(self, seq_id: int) -> None:
-        """Force a whole rewrite of `seq_id`'s row (a block of its table was replaced)."""
-        for row, seq in enumerate(self._row_seq):
-            if seq == seq_id:
-                self._row_seq[row] = -1
-
     # ---------------------------------------------------------------- device side
     def refresh(self, padded: int) -> None:
         """Slot mapping, lengths and block lists of rows [0, padded) from the buffers, on the device."""

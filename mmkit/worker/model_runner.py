@@ -36,10 +36,8 @@ from mmkit.worker.state_cache import StateBatch, StateCache
 class ModelRunnerOutput:
     """Sampled tokens for the scheduled chunks that reached the end of their sequence."""
 
-    sampled_seq_ids: list[int]  # in the order of the sampler rows
+    sampled_seq_ids: list[int]  # one per row of `sampler_output`, in row order
     sampler_output: SamplerOutput | None
-    # Rows of `sampler_output` per sampled sequence: n rows for a prompt that forks n samples.
-    row_counts: list[int]
     prompt_logprobs: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (chunk start, [chunk_len, vocab])
 
 
@@ -90,7 +88,6 @@ class ModelRunner:
 
     def _init_batch_state(self) -> None:
         self.states: dict[int, CachedSeqState] = {}  # seq_id -> the runner's per-sequence cache
-        self._fork_generators: dict[int, torch.Generator] = {}  # forks sampled before they arrive
         # Every state's block table again, as rows of one tensor: decode metadata is a gather.
         self.block_tables = BlockTables()
 
@@ -98,7 +95,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        self._copy_blocks(sched.block_copies)
         self._run_encoder(sched)
         # Decode tokens (chunks of one token) first, then prefill chunks.
         chunks = []
@@ -121,13 +117,12 @@ class ModelRunner:
             embeds = self._merge_multimodal(order, embeds)
             hidden = self.model(embeds, positions, self.kv_caches, meta)
         # Logits only for the last position of chunks that complete their sequence.
-        sampled, rows, row_counts, last_rows, row_states = [], [], [], [], []
+        sampled, rows, last_rows = [], [], []
         row = 0
         prompt_lp: dict[int, tuple[int, torch.Tensor]] = {}
         for c in order:
             state = c.state
-            if (state.params.prompt_logprobs is not None and state.num_output_tokens == 0
-                    and state.sample_index == 0):
+            if state.params.prompt_logprobs is not None and state.num_output_tokens == 0:
                 # Rows before prompt_logprobs_start - 1 score positions nobody asked for.
                 first = min(max(c.start, state.params.first_prompt_logprob(state.num_prompt_tokens) - 1), c.end)
                 if first < c.end:
@@ -138,52 +133,42 @@ class ModelRunner:
             state.num_computed_tokens = c.end
             if not c.samples:
                 continue
-            copies = 1 + len(state.pending_forks)
             sampled.append(state)
-            row_counts.append(copies)
-            last_rows.extend([row - 1] * copies)
-            rows.extend(self._sampling_rows(state))
-            row_states.extend([state] * copies)
+            last_rows.append(row - 1)
+            rows.append(self._sampling_row(state))
         if not sampled:
-            return ModelRunnerOutput([], None, [], prompt_lp)
-        with rows_of(self.lora_manager, row_states):
+            return ModelRunnerOutput([], None, prompt_lp)
+        with rows_of(self.lora_manager, sampled):
             logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         # NOTE: hooks act only on sequences that hold sampler state (e.g. a grammar matcher);
         # a step without any keeps the model-dtype logits and skips the [rows, vocab] copy,
         # even after a hook was registered by an earlier constrained request.
-        if self.sampler_hooks and any(s.sampler_state for s in row_states):
+        if self.sampler_hooks and any(s.sampler_state for s in sampled):
             logits = logits.float()  # hooks get float32 rows (seq_state.SamplerHook)
             for hook in self.sampler_hooks:
-                hook.apply(logits, row_states)
+                hook.apply(logits, sampled)
         out = self.sampler(logits, rows)
-        row = 0
-        for state, count in zip(sampled, row_counts):
-            token = out.token_ids[row]
+        for state, token in zip(sampled, out.token_ids):
             state.token_ids.append(token)  # the runner's own copy of the tokens
-            state.pending_forks = []
             for hook in self.sampler_hooks:
                 hook.on_sampled(state, token)
-            row += count
-        return ModelRunnerOutput([s.seq_id for s in sampled], out, row_counts, prompt_lp)
+        return ModelRunnerOutput([s.seq_id for s in sampled], out, prompt_lp)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         tables = self.block_tables
         for seq_id in sched.finished_seq_ids:
             self.states.pop(seq_id, None)
-            self._fork_generators.pop(seq_id, None)
             tables.remove(seq_id)
         for d in sched.new_seqs:
-            old = self.states.get(d.seq_id)
-            generator = old.generator if old is not None else self._fork_generators.pop(d.seq_id, None)
+            old = self.states.get(d.seq_id)  # a rebuild keeps its generator (and sampler state)
+            generator = old.generator if old is not None else self._make_generator(d.seed)
             state = self.states[d.seq_id] = CachedSeqState(
-                seq_id=d.seq_id, request_id=d.request_id, sample_index=d.sample_index,
-                token_ids=list(d.token_ids), prompt_token_ids=d.token_ids[:d.num_prompt_tokens],
-                params=d.sampling_params, generator=generator or self._make_generator(d.seed),
-                block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
+                seq_id=d.seq_id, request_id=d.request_id, token_ids=list(d.token_ids),
+                prompt_token_ids=d.token_ids[:d.num_prompt_tokens], params=d.sampling_params,
+                generator=generator, block_table=list(d.block_ids), num_computed_tokens=d.num_computed_tokens,
                 placeholder_ranges=d.placeholder_ranges, encoder_keys=d.encoder_keys,
                 mrope_positions=d.mrope_positions, mrope_position_delta=d.mrope_position_delta,
-                bidirectional_ranges=d.bidirectional_ranges, pending_forks=list(d.pending_forks),
-                lora_request=d.lora_request, state_slot=d.state_slot)
+                bidirectional_ranges=d.bidirectional_ranges, lora_request=d.lora_request, state_slot=d.state_slot)
             tables.set_table(d.seq_id, d.block_ids)
             if self.state_cache is not None:
                 self._start_state(d)
@@ -194,18 +179,13 @@ class ModelRunner:
                     hook.on_new_seq(state)
         for c in sched.cached_seqs:
             state = self.states[c.seq_id]
-            for index, block_id in c.replaced_blocks:
-                state.block_table[index] = block_id
-                tables.replace(c.seq_id, index, block_id)
-            if c.replaced_blocks and self.decode_graphs is not None:
-                self.decode_graphs.buffers.invalidate(c.seq_id)
             state.block_table.extend(c.new_block_ids)
             tables.append(c.seq_id, c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
 
     def _start_state(self, d) -> None:
         # NOTE: a state holds every token before num_computed_tokens, so a hybrid sequence
-        # reaches the runner only from token 0 (no prefix-cache hit, no fork, a preempted or
+        # reaches the runner only from token 0 (no prefix-cache hit, a preempted or
         # failed one recomputed): its slot starts from zeros.
         if d.state_slot < 0 or d.num_computed_tokens != 0:
             raise RuntimeError(f"request {d.request_id!r}: a hybrid decoder's sequence must start from token 0 with "
@@ -229,19 +209,13 @@ class ModelRunner:
     def _chunk_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float().log_softmax(dim=-1)
 
-    def _sampling_rows(self, state: CachedSeqState) -> list[SamplingRow]:
+    def _sampling_row(self, state: CachedSeqState) -> SamplingRow:
         params = state.params
         # NOTE: only penalties and min_tokens read the output ids; skip the O(length) copy
         # in the decode loop for every other request.
         output_ids = state.token_ids[state.num_prompt_tokens:] if (params.has_penalties or params.min_tokens) else []
         position = len(state.token_ids)
-        rows = [SamplingRow(params, state.generator, state.prompt_token_ids, output_ids, position)]
-        # Pending forks (n > 1) draw their first token from the same logits row, each with
-        # its own generator, kept for when the fork arrives as a new sequence.
-        for child_id, seed in state.pending_forks:
-            generator = self._fork_generators[child_id] = self._make_generator(seed)
-            rows.append(SamplingRow(params, generator, state.prompt_token_ids, output_ids, position))
-        return rows
+        return SamplingRow(params, state.generator, state.prompt_token_ids, output_ids, position)
 
     # ------------------------------------------------------------------ batch preparation
     def _prepare(self, order: list[Chunk]):
@@ -364,15 +338,6 @@ class ModelRunner:
                 gen = torch.arange(max(lo, num_prompt), hi) + state.mrope_position_delta
                 parts.append(gen.expand(3, -1))
         return torch.cat(parts, dim=1).to(self.device)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
-            k_cache[:, dst] = k_cache[:, src]
-            v_cache[:, dst] = v_cache[:, src]
 
 
 def _release_freed_memory() -> None:

@@ -19,7 +19,6 @@ from mmkit.sampling_params import SamplingParams
 class CachedSeqState:
     seq_id: int
     request_id: str
-    sample_index: int
     token_ids: list[int]  # prompt + generated
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -31,7 +30,6 @@ class CachedSeqState:
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens]
     mrope_position_delta: int = 0
     bidirectional_ranges: tuple[tuple[int, int], ...] = ()  # (offset, length) spans of the prompt
-    pending_forks: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, seed)
     lora_request: Any = None  # mmkit.lora.LoRARequest or None (the base model)
     state_slot: int = -1  # a hybrid decoder's state slot (worker/state_cache.py); -1: none
     # Per-sequence objects of sampler-side features (e.g. a grammar matcher), by feature name;
@@ -69,12 +67,10 @@ class SamplerHook(Protocol):
     """A sampler-side feature in the runner (e.g. structured outputs): register it in
     `ModelRunner.sampler_hooks`. The runner calls, per step:
 
-    - `on_new_seq(state)` when a sequence arrives for the first time (a fork of an n > 1
-      request arrives with its first output token already in `state.token_ids`: replay
-      `state.token_ids[state.num_prompt_tokens:]`); not called again on rebuilds, which keep
-      `state.sampler_state`;
+    - `on_new_seq(state)` when a sequence arrives for the first time (before its first
+      output token); not called again on rebuilds, which keep `state.sampler_state`;
     - `apply(logits, states)` before sampling: logits [rows, vocab] float32, changed in place
-      (e.g. a bitmask); `states[i]` owns row i (a pending fork's row is its parent's);
+      (e.g. a bitmask); `states[i]` owns row i;
     - `on_sampled(state, token_id)` after sampling, for the row each sequence keeps.
     """
 

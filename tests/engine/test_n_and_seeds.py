@@ -77,40 +77,72 @@ def test_unseeded_requests_differ(tiny_ckpt):
 
 
 def test_n3_shares_prompt_blocks(tiny_ckpt):
+    """n = 3 is three requests (vLLM v1's fan-out) that share the prompt's full blocks through
+    the prefix cache: allocated once, ref count 3; each sample owns its partial last block."""
     llm = LLM(str(tiny_ckpt), dtype="float32", num_kv_blocks=32, block_size=16)
     engine = llm.llm_engine
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks == 32
     params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=20, ignore_eos=True)
     engine.add_request("r", {"prompt": PROMPT, "multi_modal_data": {"image": make_image(5)}}, params)
-    engine.step()  # prefill once, sample three first tokens, fork
-    group = engine.groups["r"]
-    num_prompt = len(group.prompt_token_ids)
-    prompt_blocks = -(-num_prompt // 16)
-    assert num_prompt % 16 != 0  # the last prompt block is partial (exercises copy-on-write)
-    assert len(group.seqs) == 3
-    tables = [bm.get_block_ids(s) for s in group.seqs]
-    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == prompt_blocks
-    assert all(bm.ref_counts[b] == 3 for b in tables[0])
-    assert bm.num_free_blocks == 32 - prompt_blocks  # allocated once, not three times
-    engine.step()  # each sample writes its first token: the shared partial block is copied
-    tables = [bm.get_block_ids(s) for s in group.seqs]
+    assert sorted(engine.groups) == ["0_r", "1_r", "2_r"] and engine.get_num_unfinished_requests() == 1
+    assert engine.has_unfinished_request("r") and not engine.has_unfinished_request("0")
+    engine.step()  # all three admitted in one step; the second and third hit the first's full blocks
+    children = [engine.groups[f"{i}_r"] for i in range(3)]
+    assert all(g.params.n == 1 and g.seq.num_output_tokens == 1 for g in children)
+    num_prompt = len(children[0].prompt_token_ids)
     full = num_prompt // 16
+    assert num_prompt % 16 != 0 and full >= 1  # a partial last prompt block
+    tables = [bm.get_block_ids(g.seq) for g in children]
     assert tables[0][:full] == tables[1][:full] == tables[2][:full]
     assert all(bm.ref_counts[b] == 3 for b in tables[0][:full])
     assert len({t[full] for t in tables}) == 3 and all(bm.ref_counts[t[full]] == 1 for t in tables)
-    assert bm.num_free_blocks == 32 - full - 3
+    assert bm.num_free_blocks == 32 - full - 3  # the full blocks allocated once, a partial block each
+    assert engine.get_metrics()["prefix_cache_hits"] == 2 * full * 16
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
+            assert out.request_id == "r"
             final = out
     assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 20 and c.finish_reason == "length" for c in final.outputs)
     assert len({tuple(c.token_ids) for c in final.outputs}) == 3
-    assert bm.num_free_blocks == 32 and all(c == 0 for c in bm.ref_counts)
+    assert bm.num_free_blocks == 32 and all(c == 0 for c in bm.ref_counts) and bm.req_to_blocks == {}
+    assert engine.groups == {} and engine.get_num_unfinished_requests() == 0
     # The same request through LLM.generate gives the same three samples.
     again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(5)}}, params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in final.outputs]
+
+
+def test_n2_streams_one_output_per_step_and_aborts_whole(tiny_ckpt):
+    """A streaming n > 1 request: one RequestOutput per step holding every sample, `finished`
+    only when all are; the request counts once; aborting it ends every child."""
+    engine = LLM(str(tiny_ckpt), dtype="float32").llm_engine
+    before = engine.get_metrics()
+    params = SamplingParams(temperature=1.0, n=2, seed=3, ignore_eos=True)
+    engine.add_request("s", "Tell me a story", params.clone(max_tokens=3))
+    engine.add_request("t", "Tell me a story", params.clone(max_tokens=30))
+    with pytest.raises(ValueError, match=r"request_id: '0_t' is already in use by an unfinished request"):
+        engine.add_request("0_t", "x", SamplingParams())
+    with pytest.raises(ValueError, match=r"request_id: 't' is already in use by an unfinished request"):
+        engine.add_request("t", "x", SamplingParams())
+    assert engine.get_request_counts() == (0, 2)
+    streamed = []
+    for _ in range(3):
+        outs = {o.request_id: o for o in engine.step()}
+        assert set(outs) == {"s", "t"}
+        streamed.append(outs["s"])
+    assert [len(o.outputs) for o in streamed] == [2, 2, 2]
+    assert [[len(c.token_ids) for c in o.outputs] for o in streamed] == [[1, 1], [2, 2], [3, 3]]
+    assert [o.finished for o in streamed] == [False, False, True]
+    assert engine.get_request_counts() == (1, 0) and engine.has_unfinished_request("t")
+    engine.abort_request("t")
+    assert not engine.has_unfinished_requests() and engine.groups == {}
+    m = engine.get_metrics()
+    assert m["num_requests_finished"] - before["num_requests_finished"] == 1  # "s"; "t" was aborted
+    assert m["generation_tokens"] - before["generation_tokens"] == 12  # 3 steps x 2 requests x 2 samples
+    assert m["prompt_tokens"] - before["prompt_tokens"] == 2 * len(engine.tokenizer("Tell me a story").input_ids)
+    assert m["kv_blocks_free"] == m["kv_blocks_total"]
 
 
 def test_n3_greedy_samples_equal_the_single_greedy(tiny_ckpt):

@@ -103,8 +103,7 @@ def _check_block_invariants(engine):
     bm = engine.block_manager
     refs = Counter()
     for group in engine.groups.values():
-        for seq in group.seqs:
-            refs.update(bm.get_block_ids(seq))
+        refs.update(bm.get_block_ids(group.seq))
     for block_id in range(bm.num_blocks):
         assert bm.ref_counts[block_id] == refs[block_id]
         assert (block_id in bm.free_block_ids) == (refs[block_id] == 0)

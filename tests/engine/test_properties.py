@@ -3,12 +3,13 @@
 Hypothesis drives random sequences of add / step / abort / finish on a small cache (so
 preemption by recompute happens often); a step is driven the way LLMEngine.step does it:
 schedule, then the scheduler's own `update_from_output` with one sampled token for every
-sequence whose chunk reached its end (n rows for a prompt whose n - 1 samples fork: the
-scheduler forks them itself), then stop conditions.
+sequence whose chunk reached its end, then stop conditions. A request with n > 1 samples is
+fanned out into n requests as LLMEngine does (`engine/parent_request.py`), and an abort
+ends all of them.
 After every rule the block accounting must be exact, and after draining every request must
 have ended finished or aborted with every block free. Runs with and without prefix caching
 (when the BlockManager supports it); nothing here depends on attributes beyond
-can_allocate / allocate / free / fork / num_free_blocks / ref_counts.
+can_allocate / allocate / free / num_free_blocks / ref_counts.
 """
 
 import inspect
@@ -21,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mmkit.config import SchedulerConfig
 from mmkit.engine.block_manager import BlockManager, blocks_needed
+from mmkit.engine.parent_request import fan_out
 from mmkit.engine.scheduler import Scheduler
 from mmkit.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from mmkit.processors.base import ProcessedPrompt
@@ -56,6 +58,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_model_len = max_model_len
         self.groups: dict[str, SequenceGroup] = {}  # live requests (the engine's `groups`)
         self.all_groups: dict[str, SequenceGroup] = {}
+        self.parents: dict[str, list[str]] = {}  # user request -> its scheduler requests
         self.aborted: set[str] = set()
         self.ids = itertools.count()
         self.next_token = itertools.count(100)
@@ -70,15 +73,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         rid = f"r{next(self.ids)}"
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0)
-        group = SequenceGroup(request_id=rid, params=params,
-                              processed=ProcessedPrompt(index=0, prompt=None, prompt_token_ids=token_ids))
-        seqs = [Sequence(group=group, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids))
-                for i in range(n)]
-        group.seqs, group.pending_forks = seqs[:1], seqs[1:]
-        seqs[0].num_pending_forks = n - 1
-        self.groups[rid] = group
-        self.all_groups[rid] = group
-        self.sched.add_request(group)
+        processed = ProcessedPrompt(index=0, prompt=None, prompt_token_ids=token_ids)
+        self.parents[rid] = []
+        for child in fan_out(rid, params, list(range(n))):
+            group = SequenceGroup.create(child.request_id, processed, child.params, child.seed)
+            self.groups[child.request_id] = group
+            self.all_groups[child.request_id] = group
+            self.parents[rid].append(child.request_id)
+            self.sched.add_request(group)
 
     @rule()
     def step(self):
@@ -87,11 +89,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.groups)
     @rule(data=st.data())
     def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.groups)))
-        group = self.groups.pop(rid)
-        assert self.sched.abort_request(rid) is group  # what LLMEngine.abort_request does
+        live = sorted(p for p, children in self.parents.items() if any(c in self.groups for c in children))
+        rid = data.draw(st.sampled_from(live))
+        for child_id in self.parents[rid]:  # what LLMEngine.abort_request does: every child
+            group = self.groups.pop(child_id, None)
+            assert self.sched.abort_request(child_id) is group
+            if group is not None:
+                assert group.seq.is_finished and self.bm.get_block_ids(group.seq) == ()
         self.aborted.add(rid)
-        assert all(s.is_finished and self.bm.get_block_ids(s) == () for s in group.seqs)
 
     @precondition(lambda self: any(s.num_output_tokens > 0 for s in self.sched.running))
     @rule(data=st.data())
@@ -107,7 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         preempted_before = self.sched.num_preemptions
         out = self.sched.schedule()
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
-        by_id = {s.seq_id: s for g in self.all_groups.values() for s in g.seqs}
+        by_id = {g.seq.seq_id: g.seq for g in self.all_groups.values()}
         scheduled = [(by_id[seq_id], n) for seq_id, n in out.num_scheduled_tokens.items()]
         written: set[int] = set()
         bs = self.bm.block_size
@@ -134,11 +139,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq in out_of_cache:
             assert seq.is_finished and self.bm.get_block_ids(seq) == ()
             self._retire(seq.group)
-        # The runner's part: one row per sampled sequence, n rows for a prompt that forks.
+        # The runner's part: one row per sampled sequence.
         sampled = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
-        counts = [1 + seq.num_pending_forks for seq in sampled]
-        tokens = [next(self.next_token) for _ in range(sum(counts))]
-        update = self.sched.update_from_output(out, [s.seq_id for s in sampled], counts, tokens)
+        tokens = [next(self.next_token) for _ in sampled]
+        update = self.sched.update_from_output(out, [s.seq_id for s in sampled], tokens)
         assert [row for _, row in update.samples] == list(range(len(tokens)))
         for target, _row in update.samples:
             params = target.group.params
@@ -150,7 +154,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         return bool(scheduled or self.sched.num_preemptions > preempted_before or out_of_cache)
 
     def _live_seqs(self) -> list[Sequence]:
-        return [s for g in self.groups.values() for s in g.seqs if not s.is_finished]
+        return [g.seq for g in self.groups.values() if not g.seq.is_finished]
 
     def _retire(self, group: SequenceGroup) -> None:
         if group.is_finished and self.groups.get(group.request_id) is group:
@@ -165,10 +169,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm = self.bm
         refs: Counter = Counter()
         for group in self.all_groups.values():
-            for seq in group.seqs + group.pending_forks:
-                if seq.is_finished:
-                    assert self.bm.get_block_ids(seq) == (), f"finished {seq} still holds blocks"
-                refs.update(self.bm.get_block_ids(seq))
+            seq = group.seq
+            if seq.is_finished:
+                assert self.bm.get_block_ids(seq) == (), f"finished {seq} still holds blocks"
+            refs.update(self.bm.get_block_ids(seq))
         assert min(bm.ref_counts) >= 0
         for block_id in range(bm.num_blocks):
             assert bm.ref_counts[block_id] == refs[block_id], (block_id, bm.ref_counts[block_id], refs[block_id])
@@ -185,7 +189,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({id(s) for s in waiting + running}) == len(waiting) + len(running)
         assert all(s.status is SequenceStatus.WAITING and not self.bm.get_block_ids(s) for s in waiting)
         assert all(s.status is SequenceStatus.RUNNING for s in running)
-        live = {id(s) for g in self.groups.values() for s in g.seqs if not s.is_finished}
+        live = {id(g.seq) for g in self.groups.values() if not g.seq.is_finished}
         assert {id(s) for s in waiting + running} == live
 
     def teardown(self):
@@ -198,13 +202,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert progressed or not self.sched.has_unfinished(), "the scheduler is stuck"
             self.blocks_are_accounted_for()
         assert not self.sched.has_unfinished() and self.groups == {}
-        for rid, group in self.all_groups.items():
-            statuses = {s.status for s in group.seqs}
-            assert group.is_finished and all(st_.is_finished for st_ in statuses), (rid, statuses)
+        for rid, child_ids in self.parents.items():
+            groups = [self.all_groups[c] for c in child_ids]
+            statuses = {g.seq.status for g in groups}
+            assert all(g.is_finished and g.params.n == 1 for g in groups), (rid, statuses)
             if rid in self.aborted:
                 assert SequenceStatus.FINISHED_ABORTED in statuses
             else:
-                assert len(group.seqs) == group.params.n
+                assert SequenceStatus.FINISHED_ABORTED not in statuses
         assert self.bm.num_free_blocks == self.bm.num_blocks and sum(self.bm.ref_counts) == 0
         event(f"preempted: {self.sched.num_preemptions > 0}")
         event(f"aborted: {bool(self.aborted)}")

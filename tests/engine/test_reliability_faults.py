@@ -3,7 +3,7 @@
 What tests/engine/test_engine.py and tests/engine/test_async_engine.py already show is not repeated here
 (preemption of a mixed batch, abort of a running request, one injected model error, an engine
 that fails on its first step); this file covers the rest: aborts of preempted, waiting,
-chunked-prefill and forked requests with the block accounting checked after every step,
+chunked-prefill and n > 1 requests with the block accounting checked after every step,
 preemption of n > 1 requests, errors and interrupts at several points of a step, and
 engine-loop failures in the middle of streaming.
 """
@@ -33,9 +33,8 @@ def batch(n):
 def live_block_refs(engine) -> Counter:
     refs: Counter = Counter()
     for group in engine.groups.values():
-        for seq in group.seqs:
-            if not seq.is_finished:
-                refs.update(engine.block_manager.get_block_ids(seq))
+        if not group.seq.is_finished:
+            refs.update(engine.block_manager.get_block_ids(group.seq))
     return refs
 
 
@@ -159,19 +158,20 @@ def test_abort_forked_samples_frees_shared_blocks(small_engine):
     for _ in range(50):
         engine.step()
         check_blocks(engine)
-        group = engine.groups["fork"]
-        if len(group.seqs) == 3 and all(s.num_output_tokens >= 3 for s in group.seqs):
+        children = [engine.groups[f"{i}_fork"] for i in range(3)]  # the n = 3 request's samples
+        if all(g.seq.num_output_tokens >= 3 for g in children):
             break
-    shared = set(engine.block_manager.get_block_ids(group.seqs[0])[:1])
-    assert any(engine.block_manager.ref_counts[b] > 1 for b in shared)
+    shared = set(engine.block_manager.get_block_ids(children[0].seq)[:1])
+    assert any(engine.block_manager.ref_counts[b] > 1 for b in shared)  # through the prefix cache
     engine.abort_request("fork")
+    assert all(g.seq.status.value == "abort" for g in children)
     check_blocks(engine)
     assert drain(engine)["other"].finished
     assert_engine_empty(engine)
 
 
 def test_abort_forked_before_fork(small_engine):
-    """Aborted while its n samples are still pending forks (prompt not yet computed)."""
+    """Aborted before any of its n samples ran (prompt not yet computed)."""
     engine = small_engine
     engine.add_request("pending", "not yet prefilled", long_params(10, n=4, seed=3, temperature=1.0))
     engine.abort_request("pending")
@@ -184,7 +184,7 @@ def test_abort_during_chunked_prefill(tiny_ckpt):
     engine.add_request("img", {"prompt": PROMPT, "multi_modal_data": {"image": make_image(3)}}, long_params(5))
     engine.step()
     engine.step()
-    seq = engine.groups["img"].seqs[0]
+    seq = engine.groups["img"].seq
     assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens and engine.block_manager.get_block_ids(seq)
     engine.abort_request("img")
     assert_engine_empty(engine)

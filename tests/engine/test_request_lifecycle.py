@@ -129,7 +129,7 @@ class _ForceTokenHook:
 
     def on_new_seq(self, state):
         state.sampler_state["force"] = list(state.token_ids[state.num_prompt_tokens:])  # replayed outputs
-        self.new.append((state.sample_index, len(state.sampler_state["force"])))
+        self.new.append((state.request_id, len(state.sampler_state["force"])))
 
     def apply(self, logits, states):
         assert logits.shape[0] == len(states)
@@ -150,9 +150,9 @@ def test_sampler_hook_sees_every_sequence_and_masks_its_logits(tiny_ckpt):
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
     out = llm.generate("Tell me a story", params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [[42] * 4, [42] * 4]
-    # Sample 0 arrives before its first token; the fork arrives with it (and replays it).
-    assert sorted(hook.new) == [(0, 0), (1, 1)]
-    assert hook.sampled == [42] * 7  # 4 kept by sample 0, 3 more by the fork
+    # Each sample is a request of its own (n > 1 fanned out): both arrive before their first token.
+    assert sorted(n for _, n in hook.new) == [0, 0] and sorted(rid[:2] for rid, _ in hook.new) == ["0_", "1_"]
+    assert hook.sampled == [42] * 8  # 4 per sample
     # The runner drops finished sequences' states when the next step tells it (vLLM's way).
     old = set(runner.states)
     runner.sampler_hooks.clear()

@@ -108,7 +108,7 @@ def test_generated_image_token_is_ordinary_also_after_preemption(tiny_ckpt, monk
     for _ in range(3):
         engine.step()
     group = engine.groups["r"]
-    seq = group.seqs[0]
+    seq = group.seq
     assert seq.token_ids[-1] == image_id
     engine.scheduler._preempt(seq, type("Out", (), {"num_preempted": 0})())
     outputs = []

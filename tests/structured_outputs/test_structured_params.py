@@ -152,10 +152,10 @@ def test_batch_bitmask_advance_fork_rollback_and_eos(backend):
 
     one = tok.convert_tokens_to_ids("1")
     assert state.accept(one) and not state.is_completed()
-    child = state.fork()
+    child = state.rebuild([one])  # a matcher of its own at the same position
     two = tok.convert_tokens_to_ids("2")
     assert child.accept(two) and child.is_completed()
-    assert not state.is_completed()  # the fork is independent
+    assert not state.is_completed()  # the copy is independent
     logits = torch.zeros(1, vocab)
     mask.apply(logits, [child.matcher], [0])
     assert _allowed(logits)[0] == {eos}  # EOS exactly when complete, and nothing else

@@ -3,7 +3,8 @@ with transformers' own classes and processor: greedy ids equal transformers' (fl
 mixed batch (text, a small image, a tiled image with its thumbnail, two images of different
 sizes, token-id prompts), under small chunks that split image spans, a long prompt prefilled in
 chunks (the conv windows carried), forced preemption, a repeated request (prefix caching refused),
-eight concurrent requests of different lengths; bad inputs fail before anything is added."""
+eight concurrent requests of different lengths, n > 1 samples (each its own request and slot); bad
+inputs fail before anything is added."""
 
 from __future__ import annotations
 
@@ -126,11 +127,23 @@ def test_long_prompt_and_eight_concurrent_requests(ckpt):
     assert_slots_returned(llm)
 
 
+def test_n_samples_each_have_their_own_state(ckpt):
+    """n > 1 is n requests (vLLM v1's fan-out), each with its own convolution-window slot: the
+    greedy samples equal the n = 1 output and transformers'."""
+    llm = LLM(str(ckpt), dtype="float32", max_num_seqs=2)
+    request = {"prompt": P_IMG, "multi_modal_data": {"image": SMALL}}
+    ref = hf_greedy(ckpt, prompt=P_IMG, images=[SMALL])
+    one = llm.generate(request, greedy(), use_tqdm=False)[0]
+    two = llm.generate(request, greedy(n=2), use_tqdm=False)[0]
+    assert list(one.outputs[0].token_ids) == ref
+    assert [list(c.token_ids) for c in two.outputs] == [ref] * 2 and [c.index for c in two.outputs] == [0, 1]
+    assert_slots_returned(llm)
+
+
 def test_bad_inputs_fail_before_anything_is_added(ckpt):
     llm = LLM(str(ckpt), dtype="float32")
     ok = {"prompt": P_IMG, "multi_modal_data": {"image": SMALL}}
     bad = [
-        (ok, SamplingParams(n=2, temperature=1.0, max_tokens=4), r"inputs\[1\].*sampling_params\.n=2"),
         ({"prompt": P_2IMG, "multi_modal_data": {"image": [SMALL]}}, greedy(), r"inputs\[1\]"),
         ({**ok, "mm_processor_kwargs": {"tile": 3}}, greedy(), r"inputs\[1\]\.mm_processor_kwargs: unknown key"),
         ({"prompt": P_IMG, "multi_modal_data": {"image_embeds": torch.zeros(1, 4, 64)}}, greedy(),
