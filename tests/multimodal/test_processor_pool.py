@@ -162,3 +162,14 @@ def test_workers_stop_at_shutdown_and_when_the_llm_is_collected(family):
 def test_bad_mm_processor_workers(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=None, **kwargs).create_engine_config()
+
+
+def test_cli_and_serve_flag_reach_the_engine_args():
+    from mmkit.entrypoints.cli.main import build_parser
+    from mmkit.entrypoints.openai.api_server import build_engine_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--mm-processor-workers", "3"])
+    assert build_engine_args(args).mm_processor_workers == 3
+    assert build_engine_args(parser.parse_args(["serve"])).mm_processor_workers == 0
+    assert parser.parse_args(["ask", "img.png", "Q?", "--mm-processor-workers", "2"]).mm_processor_workers == 2
