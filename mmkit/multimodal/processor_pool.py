@@ -18,7 +18,9 @@ its own interpreter, so none of it waits for the engine's GIL or holds it.
   A worker returns the item's content hash with its inputs; the hash is set on the engine's
   item before its future completes, so the scheduler reads it instead of hashing again.
 - Errors: the processor's exception is raised in the engine process with its own type and
-  message (the serial path's), where the runner takes the item.
+  message (the serial path's), where the runner takes the item. A worker that dies (killed,
+  out of memory) breaks the pool: its items and every later one fail their requests with the
+  reason, and the engine goes on serving requests without images.
 - Same function, same pixels: the inputs are identical to the serial path's.
 - Shutdown: `shutdown()` (the engine's), or the pool being garbage collected, stops the
   workers; a script that uses the pool needs the `if __name__ == "__main__":` guard, as any
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import multiprocessing
 import weakref
-from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, InvalidStateError, ProcessPoolExecutor
 from typing import Any, Callable
 
 _PROCESSOR: Any = None  # in a worker: its input processor, built once by `_start_worker`
@@ -62,7 +64,12 @@ class ProcessorProcessPool:
 
     def submit(self, item: Any) -> Future:
         """A future of the item's model inputs (or its processor error)."""
-        remote = self._executor.submit(_run, item)
+        try:
+            remote = self._executor.submit(_run, item)
+        except BrokenExecutor as exc:
+            failed: Future = Future()
+            failed.set_exception(_stopped(item, exc))
+            return failed
         future = _ItemFuture(remote)
 
         def done(remote: Future) -> None:
@@ -71,7 +78,7 @@ class ProcessorProcessPool:
             exc = remote.exception()
             try:
                 if exc is not None:
-                    future.set_exception(exc)
+                    future.set_exception(_stopped(item, exc) if isinstance(exc, BrokenExecutor) else exc)
                     return
                 content_hash, inputs = remote.result()
                 if getattr(item, "_hash", None) is None:
@@ -90,6 +97,13 @@ class ProcessorProcessPool:
     def shutdown(self) -> None:
         """Cancel queued items and stop the workers (a running item finishes first; not waited for)."""
         self._finalizer()
+
+
+def _stopped(item: Any, exc: BaseException) -> RuntimeError:
+    """The error of an item whose worker died (killed, out of memory): the pool is broken."""
+    where = getattr(item, "where", "") or "an image"
+    return RuntimeError(f"{where}: the image processor's worker processes stopped ({exc}); this engine "
+                        "cannot prepare images any more: start a new one")
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:

@@ -6,6 +6,8 @@ import copy
 import functools
 import gc
 import os
+import re
+import signal
 import time
 
 import pytest
@@ -173,3 +175,19 @@ def test_cli_and_serve_flag_reach_the_engine_args():
     assert build_engine_args(args).mm_processor_workers == 3
     assert build_engine_args(parser.parse_args(["serve"])).mm_processor_workers == 0
     assert parser.parse_args(["ask", "img.png", "Q?", "--mm-processor-workers", "2"]).mm_processor_workers == 2
+
+
+def test_a_killed_worker_fails_image_requests_with_the_reason_and_the_engine_goes_on(family):
+    _, path, one, _ = family
+    llm = LLM(str(path), dtype="float32", mm_processor_workers=1)
+    pids = llm.llm_engine.prefetcher.processes.pids()
+    os.kill(pids[0], signal.SIGKILL)
+    wait_gone(pids)
+    with pytest.raises(RequestFailedError) as info:
+        llm.generate([{"prompt": one, "multi_modal_data": {"image": make_image(1, 64, 48)}}], GREEDY, use_tqdm=False)
+    err = info.value.failed[0]
+    assert isinstance(err, RuntimeError)
+    assert re.fullmatch(r"inputs\[0\]\.multi_modal_data\S*: the image processor's worker processes stopped "
+                        r"\(.*\); this engine cannot prepare images any more: start a new one", str(err), re.S), err
+    text = llm.generate(["USER: hello ASSISTANT:"], GREEDY, use_tqdm=False)  # no image: still served
+    assert len(text[0].outputs[0].token_ids) == GREEDY.max_tokens
