@@ -191,3 +191,30 @@ def test_a_killed_worker_fails_image_requests_with_the_reason_and_the_engine_goe
                         r"\(.*\); this engine cannot prepare images any more: start a new one", str(err), re.S), err
     text = llm.generate(["USER: hello ASSISTANT:"], GREEDY, use_tqdm=False)  # no image: still served
     assert len(text[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_async_engine_server_path_uses_the_workers_and_stops_them(family):
+    """The server's engine (AsyncLLMEngine) runs the same pool: the same ids as the serial
+    path, the items from the workers, and its shutdown stops them."""
+    import asyncio
+
+    from mmkit import AsyncLLMEngine
+
+    _, path, one, two = family
+    inputs = batch(one, two, n=3)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(path), dtype="float32", mm_processor_workers=1))
+    pids = engine.engine.prefetcher.processes.pids()
+
+    async def run():
+        async def one_request(i, inp):
+            return [out async for out in engine.generate(inp, GREEDY, f"r{i}")][-1]
+        return await asyncio.gather(*(one_request(i, inp) for i, inp in enumerate(inputs)))
+
+    try:
+        got = asyncio.run(run())
+        assert engine.engine.prefetcher.num_prefetched == 4 and engine.engine.prefetcher.num_inline == 0
+    finally:
+        engine.shutdown()
+    serial = LLM(str(path), dtype="float32", async_preprocess=False)
+    assert token_ids(got) == token_ids(serial.generate(inputs, GREEDY, use_tqdm=False))
+    wait_gone(pids)
