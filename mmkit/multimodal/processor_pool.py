@@ -92,7 +92,8 @@ class ProcessorProcessPool:
 
     def pids(self) -> list[int]:
         """The worker processes' ids (for tests and diagnostics)."""
-        return sorted(p.pid for p in list(getattr(self._executor, "_processes", {}).values()) if p.pid)
+        processes = getattr(self._executor, "_processes", None) or {}  # None once shut down
+        return sorted(p.pid for p in list(processes.values()) if p.pid)
 
     def shutdown(self) -> None:
         """Cancel queued items and stop the workers (a running item finishes first; not waited for)."""
