@@ -35,6 +35,7 @@ from concurrent.futures import BrokenExecutor, Future, InvalidStateError, Proces
 from typing import Any, Callable
 
 _PROCESSOR: Any = None  # in a worker: its input processor, built once by `_start_worker`
+_PRELOAD = ("torch", "transformers", "mmkit.processors")
 
 
 class _ItemFuture(Future):
@@ -56,7 +57,13 @@ class ProcessorProcessPool:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers: got {num_workers!r}; expected a positive integer")
         self.num_workers = num_workers
-        self._executor = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("forkserver"),
+        context = multiprocessing.get_context("forkserver")
+        # NOTE: the fork server imports torch, transformers and mmkit's processors once and forks
+        # every worker from that: ~20 s -> a few s to start them on a loaded 2-core host. Only
+        # before the fork server starts (the first forkserver pool of this process) does it apply;
+        # "__main__" is the default's entry, kept.
+        context.set_forkserver_preload(["__main__", *_PRELOAD])
+        self._executor = ProcessPoolExecutor(num_workers, mp_context=context,
                                              initializer=_start_worker, initargs=(processor_factory,))
         # A forkserver/spawn pool starts every worker at its first submit: start them now.
         self._executor.submit(int)
