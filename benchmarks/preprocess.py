@@ -189,7 +189,8 @@ def main() -> None:
             result["micro"] = micro(path, photos(args.num_requests, 10_000), args.repeats)
             m = result["micro"]
             print("processor alone, ms/image: " + ", ".join(f"{k} {v:.1f}" for k, v in m["ms_per_image"].items())
-                  + f"; GIL held {m['gil_share']:.0%} of its time; pixel_values {m['pixel_values_mb']:.1f} MB", flush=True)
+                  + f"; GIL held {m['gil_share']:.0%} of its time; pixel_values {m['pixel_values_mb']:.1f} MB",
+                  flush=True)
         kwargs = dict(dtype=args.dtype, max_model_len=2048, max_num_seqs=256)
         llms = {"serial": LLM(str(path), async_preprocess=False, **kwargs),
                 "threads": LLM(str(path), **kwargs),
@@ -218,7 +219,8 @@ def main() -> None:
                         "inline": llms[m].llm_engine.prefetcher.num_inline} for m in ("threads", "processes")}
     med = {m: statistics.median(v) for m, v in seconds.items()}
     speedup = {m: [s / t for s, t in zip(seconds["serial"], seconds[m])] for m in MODES}
-    result.update(seconds=seconds, median_seconds=med, median_req_per_s={m: args.num_requests / v for m, v in med.items()},
+    result.update(seconds=seconds, median_seconds=med,
+                  median_req_per_s={m: args.num_requests / v for m, v in med.items()},
                   speedup_over_serial_per_repeat=speedup,
                   median_speedup_over_serial={m: statistics.median(v) for m, v in speedup.items()},
                   identical_greedy_ids=True, prefetch=prefetch, serial_processor_share=processor_share)

@@ -45,8 +45,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
-                   help="worker processes for the image processor's per-item work (default 0: two threads of the engine's "
-                        "process; see docs/engine_args.md for sizing)")
+                   help="worker processes for the image processor's per-item work (default 0: two "
+                        "threads of the engine's process; see docs/engine_args.md for sizing)")
 
 
 def _gpu_flags(g) -> None:
