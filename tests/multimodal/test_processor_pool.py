@@ -26,12 +26,23 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 BAD_WIDTH = 41  # the width `Fragile` refuses
 
 
+def _family(name, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(name)
+    if name == "qwen2_vl":
+        return name, build_tiny_qwen2_vl(folder, seed=3), P_IMG, P_2IMG
+    return name, build_tiny_anyres(folder), LLAVA, "USER: <image> and <image>\nCompare. ASSISTANT:"
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "llava_next"])
 def family(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen2_vl":
-        return request.param, build_tiny_qwen2_vl(folder, seed=3), P_IMG, P_2IMG
-    return request.param, build_tiny_anyres(folder), LLAVA, "USER: <image> and <image>\nCompare. ASSISTANT:"
+    """Both families: the tensors, ids and errors (what depends on the processor)."""
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """One family: the pool's lifecycle (nothing in it depends on the processor)."""
+    return _family("qwen2_vl", tmp_path_factory)
 
 
 def batch(one, two, n=6):
@@ -136,8 +147,8 @@ def test_processor_error_in_a_worker_is_the_serial_error(family):
     prefetcher.processes.shutdown()
 
 
-def test_workers_stop_at_shutdown_and_when_the_llm_is_collected(family):
-    _, path, one, two = family
+def test_workers_stop_at_shutdown_and_when_the_llm_is_collected(qwen):
+    _, path, one, two = qwen
     llm = LLM(str(path), dtype="float32", mm_processor_workers=2)
     llm.generate(batch(one, two, n=2), GREEDY, use_tqdm=False)
     pids = llm.llm_engine.prefetcher.processes.pids()
@@ -177,8 +188,8 @@ def test_cli_and_serve_flag_reach_the_engine_args():
     assert parser.parse_args(["ask", "img.png", "Q?", "--mm-processor-workers", "2"]).mm_processor_workers == 2
 
 
-def test_a_killed_worker_fails_image_requests_with_the_reason_and_the_engine_goes_on(family):
-    _, path, one, _ = family
+def test_a_killed_worker_fails_image_requests_with_the_reason_and_the_engine_goes_on(qwen):
+    _, path, one, _ = qwen
     llm = LLM(str(path), dtype="float32", mm_processor_workers=1)
     pids = llm.llm_engine.prefetcher.processes.pids()
     os.kill(pids[0], signal.SIGKILL)
@@ -193,14 +204,14 @@ def test_a_killed_worker_fails_image_requests_with_the_reason_and_the_engine_goe
     assert len(text[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
-def test_async_engine_server_path_uses_the_workers_and_stops_them(family):
+def test_async_engine_server_path_uses_the_workers_and_stops_them(qwen):
     """The server's engine (AsyncLLMEngine) runs the same pool: the same ids as the serial
     path, the items from the workers, and its shutdown stops them."""
     import asyncio
 
     from mmkit import AsyncLLMEngine
 
-    _, path, one, two = family
+    _, path, one, two = qwen
     inputs = batch(one, two, n=3)
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(path), dtype="float32", mm_processor_workers=1))
     pids = engine.engine.prefetcher.processes.pids()
