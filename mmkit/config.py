@@ -102,6 +102,8 @@ class EngineConfig:
     # Images of waiting requests preprocessed on worker threads, at most this many ahead
     # (mmkit/multimodal/prefetcher.py); 0 = on the engine thread at scheduling time.
     preprocess_lookahead: int = 0
+    # >0: that many processes run the items' processor work (mmkit/multimodal/processor_pool.py).
+    mm_processor_workers: int = 0
     # CUDA: run every decode step eagerly instead of replaying captured CUDA graphs (vLLM's name).
     enforce_eager: bool = False
     # Which kernels read the paged cache (mmkit/layers/attention_backend.py): "auto" = "flex" on
@@ -143,6 +145,10 @@ class EngineArgs:
     # `preprocess_lookahead` images of queued requests ahead of scheduling.
     async_preprocess: bool = True
     preprocess_lookahead: int = 16
+    # Where that processor work runs: 0 = two threads of the engine's process (they share its
+    # GIL); N = N worker processes (no vLLM equivalent: vLLM preprocesses in its API server
+    # processes). docs/engine_args.md says how to size it.
+    mm_processor_workers: int = 0
     # Online weight-only quantization of the decoder's linear layers: "int8" or "int4" (None:
     # none; a compressed-tensors checkpoint is detected from its config without this).
     quantization: str | None = None
@@ -205,6 +211,7 @@ class EngineArgs:
             tokenizer_path=str(self.tokenizer or model_path),
             mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
             preprocess_lookahead=self.preprocess_lookahead if self.async_preprocess else 0,
+            mm_processor_workers=self.mm_processor_workers,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             lora=self._lora_config(),
@@ -237,6 +244,7 @@ class EngineArgs:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
         _check_positive("preprocess_lookahead", self.preprocess_lookahead)
+        _check_mm_processor_workers(self.mm_processor_workers, self.async_preprocess)
         from mmkit.layers.attention_backend import BACKENDS
 
         if self.attention_backend not in BACKENDS:
@@ -270,6 +278,15 @@ class EngineArgs:
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, Mapping):
             raise TypeError(f"mm_processor_kwargs: got {type(self.mm_processor_kwargs).__name__}; expected a dict "
                             "like {'max_pixels': 200704}")
+
+
+def _check_mm_processor_workers(value: Any, async_preprocess: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"mm_processor_workers: got {value!r}; expected an integer >= 0 "
+                         "(0: the engine's worker threads, N: N worker processes)")
+    if value > 0 and async_preprocess is False:
+        raise ValueError(f"mm_processor_workers: got {value} with async_preprocess=False; the worker "
+                         "processes prepare images ahead of scheduling: leave async_preprocess on or pass 0")
 
 
 def _check_positive(name: str, value: Any) -> None:

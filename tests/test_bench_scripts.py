@@ -156,3 +156,18 @@ def test_step_time_prints_a_row_per_context():
     rows = [line.split("|") for line in lines if line.strip()[:1].isdigit()]
     assert [int(r[0]) for r in rows] == [32, 64]
     assert all(float(r[1]) > 0 and float(r[2]) >= 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_preprocess_times_the_three_modes_with_identical_ids(tmp_path):
+    out = tmp_path / "p.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "preprocess.py"), "--num-requests", "3",
+                          "--repeats", "1", "--threads", "1", "--workers", "1", "--max-pixels", "200704",
+                          "--max-tokens", "2", "--micro", "--json", str(out)],
+                         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["median_seconds"]) == {"serial", "threads", "processes"} and data["identical_greedy_ids"]
+    assert data["prefetch"]["processes"]["prefetched"] == 3 + 4 and data["prefetch"]["processes"]["inline"] == 0
+    assert 0 < data["serial_processor_share"][0] < 1 and not data["cpu"].startswith("unknown")
+    assert set(data["micro"]["ms_per_image"]) == {"serial", "threads_1", "threads_2", "processes_2"}

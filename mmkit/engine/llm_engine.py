@@ -13,6 +13,7 @@ cannot be processed) ends alone with its error (`take_request_errors`), the othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -62,7 +63,10 @@ class LLMEngine:
         self.tokenizer = self.input_processor.tokenizer
         # The input stage: the items' processor work (on the prefetcher's workers), read by the
         # scheduler (admission) and the runner (model inputs); both get it here, at construction.
-        self.input_stage = MultiModalInputStage(self.input_processor, config.preprocess_lookahead)
+        self.input_stage = MultiModalInputStage(
+            self.input_processor, config.preprocess_lookahead, config.mm_processor_workers,
+            functools.partial(get_input_processor, config.model, config.tokenizer_path,
+                              config.limit_mm_per_prompt, config.mm_processor_kwargs))
         self.model_runner = ModelRunner(config, self.input_processor)
         capabilities = config.model.capabilities  # what the family declares (models/interfaces.py)
         spec = capabilities.state_spec  # a hybrid decoder's per-request state (None: KV only)

@@ -3,7 +3,8 @@
 Without it the HF image processor (PIL conversion, resize, rescale, normalise) runs on the
 engine thread when the scheduler hands an image to the runner, so the forward pass waits
 for it. `MultiModalPrefetcher` submits the images of queued requests, in arrival order, to a
-small thread pool as soon as they are added, together with their content hash; PIL's decode
+small thread pool (or, with `mm_processor_workers=N`, to N processes: `processor_pool.py`) as
+soon as they are added, together with their content hash; PIL's decode
 and resize, hashlib and numpy's arithmetic release the GIL, so they overlap the model's
 matmuls. The runner then takes a finished result instead of computing it. Same function,
 same inputs: the pixel values are identical.
@@ -40,6 +41,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from mmkit.multimodal.items import ImageItem
+from mmkit.multimodal.processor_pool import ProcessorProcessPool
 
 DEFAULT_NUM_WORKERS = 2
 
@@ -57,13 +59,17 @@ class MultiModalPrefetcher:
     """Per-item processor work for waiting requests on `num_workers` threads, at most
     `lookahead` items ahead of the runner."""
 
-    def __init__(self, input_processor, lookahead: int, num_workers: int = DEFAULT_NUM_WORKERS) -> None:
+    def __init__(self, input_processor, lookahead: int, num_workers: int = DEFAULT_NUM_WORKERS,
+                 processes: ProcessorProcessPool | None = None) -> None:
         if lookahead < 1:
             raise ValueError(f"preprocess_lookahead: got {lookahead!r}; expected a positive integer")
         self.input_processor = input_processor
         self.lookahead = lookahead
         self.num_workers = num_workers
-        self._pool: ThreadPoolExecutor | None = None  # started at the first image
+        self._pool: ThreadPoolExecutor | None = None  # started at first use (items, or `map` only)
+        # `mm_processor_workers=N`: the items' processor work runs in these processes instead
+        # (processor_pool.py); the threads then only decode files for `map`.
+        self.processes = processes
         self._queue: deque[tuple[str, ImageItem]] = deque()  # not yet submitted, arrival order
         # request id -> id(item) -> Future (submitted) or _Taken
         self._live: dict[str, dict[int, Any]] = {}
@@ -198,6 +204,8 @@ class MultiModalPrefetcher:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.shutdown()
 
     # ------------------------------------------------------------------ internals
     def _fill(self) -> None:
@@ -211,8 +219,11 @@ class MultiModalPrefetcher:
         entries = self._live.get(request_id)
         if entries is None or id(item) in entries:
             return
-        # NOTE: looked up at call time, so a processor patched after start-up is used.
-        entries[id(item)] = self._ensure_pool().submit(self._process, item)
+        if self.processes is not None:
+            entries[id(item)] = self.processes.submit(item)
+        else:
+            # NOTE: looked up at call time, so a processor patched after start-up is used.
+            entries[id(item)] = self._ensure_pool().submit(self._process, item)
         self._in_flight += 1
 
     def _ensure_pool(self) -> ThreadPoolExecutor:

@@ -3,7 +3,8 @@
 Built once by `LLMEngine` and handed to the scheduler and the runner at construction (nothing is
 patched in afterwards). The HF processor's per-item work never runs inside `LLMEngine.step()`:
 - with prefetching (the default), `add_request` (engine, when a request is queued) starts its
-  items' processor work on the prefetcher's workers; the scheduler asks `is_ready` / `start_now`
+  items' processor work on the prefetcher's workers (threads, or `mm_processor_workers`
+  processes: `processor_pool.py`); the scheduler asks `is_ready` / `start_now`
   / `wait` (`PreprocessTracker`) before admitting a request, so an admitted request's items are
   done; `prompt_done` (first token sampled) frees them; a request preempted after that is
   `requeue`d: its items go back to the workers and it is re-admitted, as a new waiting request
@@ -25,15 +26,24 @@ from typing import Any, Callable, Iterable, Sequence
 from mmkit.multimodal.inputs import MultiModalKwargs
 from mmkit.multimodal.items import MultiModalItem
 from mmkit.multimodal.prefetcher import MultiModalPrefetcher
+from mmkit.multimodal.processor_pool import ProcessorProcessPool
 
 
 class MultiModalInputStage:
     """Per-item processor work of the engine's requests, on worker threads when prefetching."""
 
-    def __init__(self, input_processor: Any, lookahead: int) -> None:
+    def __init__(self, input_processor: Any, lookahead: int, processor_workers: int = 0,
+                 processor_factory: Callable[[], Any] | None = None) -> None:
+        """`processor_workers` > 0 (needs `lookahead` > 0): the items' processor work runs in that
+        many processes, each building its processor with `processor_factory` (picklable)."""
         self.input_processor = input_processor
+        processes = None
+        if processor_workers > 0:
+            if lookahead <= 0 or processor_factory is None:
+                raise ValueError("mm_processor_workers needs async_preprocess (and a processor factory)")
+            processes = ProcessorProcessPool(processor_factory, processor_workers)
         self.prefetcher: MultiModalPrefetcher | None = (
-            MultiModalPrefetcher(input_processor, lookahead) if lookahead > 0 else None)
+            MultiModalPrefetcher(input_processor, lookahead, processes=processes) if lookahead > 0 else None)
         # request id -> its items that need the processor, until the request ends (requeue)
         self._items: dict[str, list[MultiModalItem]] = {}
         # Without prefetching: request id -> id(item) -> its inputs, computed when it was added

@@ -44,6 +44,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                                                             "whose probabilities add up to P (default 1: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
+                   help="worker processes for the image processor's per-item work (default 0: two "
+                        "threads of the engine's process; see docs/engine_args.md for sizing)")
 
 
 def _gpu_flags(g) -> None:
@@ -124,7 +127,8 @@ def _make_llm(args):
     from mmkit import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-              model_impl=args.model_impl, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              model_impl=args.model_impl, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              mm_processor_workers=args.mm_processor_workers)
     print(f"mmkit {args.command}: model loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -337,7 +341,8 @@ def cmd_eval_ray(args, params) -> int:
             data, results, model=args.model, sampling_params=params,
             engine_args={"dtype": args.dtype, "device": args.device, "seed": args.seed,
                          "quantization": args.quantization, "model_impl": args.model_impl,
-                         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend},
+                         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
+                         "mm_processor_workers": args.mm_processor_workers},
             concurrency=args.concurrency, batch_size=args.batch_size,
             num_gpus_per_replica=args.num_gpus_per_replica, num_cpus_per_replica=args.num_cpus_per_replica,
             max_in_flight=args.max_in_flight, retry_errors=args.retry_errors, show_progress=not args.no_progress)

@@ -246,7 +246,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         model_impl=getattr(args, "model_impl", "auto"),
         kv_cache_preallocate=getattr(args, "kv_cache_preallocate", False),
         enforce_eager=getattr(args, "enforce_eager", False),
-        attention_backend=getattr(args, "attention_backend", "auto"))
+        attention_backend=getattr(args, "attention_backend", "auto"),
+        mm_processor_workers=getattr(args, "mm_processor_workers", 0))
     if args.limit_mm_per_prompt is not None:
         kwargs["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     if getattr(args, "enable_lora", False):

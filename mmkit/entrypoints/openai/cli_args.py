@@ -67,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-tower-connector-lora", action="store_true",
                    help="adapters may change the vision tower and projector too")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
+                   help="worker processes for the image processor's per-item work (default 0: two "
+                        "threads of the engine's process; see docs/engine_args.md for sizing)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
