@@ -389,9 +389,16 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
     }
 }
 
+/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V, and the
+ * float32 item's V) or 16-row chunks (the bf16 item's K). With K/V coming from DRAM, 4 read
+ * 8-14% faster than 1 (results/2026-12-06-decode-attention/harness_ab.log, "pf4"); from cache
+ * it made no difference. */
+#define MMKIT_DECODE_AHEAD 4
+
 /* Context rows of one KV head in order, from row `start`: `row` is the current row, and each
- * step into a new block asks for the whole following block ahead of use (prefetch_chunk's
- * reasoning: blocks sit at random places, so the hardware prefetcher cannot guess them). */
+ * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use
+ * (prefetch_chunk's reasoning: blocks sit at random places, so the hardware prefetcher cannot
+ * guess them). */
 typedef struct {
     const char *row;
     const char *cache;
@@ -411,7 +418,7 @@ static inline __attribute__((always_inline)) RowWalk row_walk(const void *cache,
     RowWalk w = {NULL, (const char *)cache, table, start / block_size, start % block_size, first_row, block_size,
                  row_bytes, (len - 1) / block_size};
     w.row = w.cache + ((first_row + table[w.b]) * block_size + w.off) * row_bytes;
-    prefetch_block(&w, w.b + 1);
+    for (int k = 1; k <= MMKIT_DECODE_AHEAD; k++) prefetch_block(&w, w.b + k);
     return w;
 }
 
@@ -424,7 +431,7 @@ static inline __attribute__((always_inline)) void row_next(RowWalk *w) {
     w->off = 0;
     if (++w->b > w->last_block) return;
     w->row = w->cache + (w->first_row + w->table[w->b]) * w->block_size * w->row_bytes;
-    prefetch_block(w, w->b + 1);
+    prefetch_block(w, w->b + MMKIT_DECODE_AHEAD);
 }
 
 /* P V of H (<= 6) query heads of a float32 item over its context rows [start, len) read in
@@ -604,13 +611,19 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
     const __m512 scale = _mm512_set1_ps(p->scale);
     int64_t slots[16];
     /* Pass 1: scores */
-    const int64_t first_n = len - start < 16 ? len - start : 16;
+    const int64_t first_n = len - start < 16 * MMKIT_DECODE_AHEAD ? len - start : 16 * MMKIT_DECODE_AHEAD;
+    int v_asked = 0;
     prefetch_chunk(kc, table, start, first_n, first_row, p->block_size, row_bytes);
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (ahead > 0) prefetch_chunk(kc, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        else prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
+        const int64_t at = t0 + 16 * MMKIT_DECODE_AHEAD;
+        const int64_t ahead = len - at < 16 ? len - at : 16;
+        if (ahead > 0) {
+            prefetch_chunk(kc, table, at, ahead, first_row, p->block_size, row_bytes);
+        } else if (!v_asked) { /* past K's end: V's first rows */
+            prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
+            v_asked = 1;
+        }
         chunk_slots(slots, table, t0, n, first_row, p->block_size);
         for (int64_t g = 0; g < group; g++) {
             const uint16_t *qg = qrow + (kvh * group + g) * head_dim;
