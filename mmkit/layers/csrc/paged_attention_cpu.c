@@ -391,8 +391,8 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
 
 /* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V, and the
  * float32 item's V) or 16-row chunks (the bf16 item's K). With K/V coming from DRAM, 4 read
- * 8-14% faster than 1 (results/2026-12-06-decode-attention/harness_ab.log, "pf4"); from cache
- * it made no difference. */
+ * 8-14% faster than 1 (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf"
+ * against "pv"); from cache it made no difference. */
 #define MMKIT_DECODE_AHEAD 4
 
 /* Context rows of one KV head in order, from row `start`: `row` is the current row, and each
@@ -457,8 +457,9 @@ static inline __attribute__((always_inline)) void pv_heads_f32(float *out, const
 }
 
 /* attend_item for head_dim = 16 * NC with AVX-512: bf16 rows are widened and staged 16 at a
- * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together, the
- * accumulators live in registers per chunk. */
+ * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together. P V:
+ * float32 through pv_heads_f32 (a group of heads over the whole context in registers), bf16 (CPUs
+ * without AVX512-BF16) one head at a time per chunk. */
 static inline __attribute__((always_inline)) void attend_item_avx512(const Problem *p, int64_t item,
                                                                       float *restrict scores, float *restrict acc_all,
                                                                       float *restrict rows, const int NC,
@@ -518,7 +519,6 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     item_store(p, &it, acc_all, sums, head_dim, dtype);
 }
 #endif
-
 
 /* Per-thread scratch that only grows: a decode step calls the kernel once per layer, and
  * long contexts need buffers past malloc's mmap threshold, which would be mapped, faulted in
