@@ -542,9 +542,11 @@ static float *thread_scratch(int which, size_t count) {
 static inline void pair_probabilities(float *sg, int64_t n) {
     uint32_t *pp = (uint32_t *)sg;
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
-        const __m256i pairs = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, sg + t));
-        _mm256_storeu_si256((__m256i *)(pp + t / 2), pairs); /* loaded above before this store */
+        const int64_t live = n - t < 16 ? n - t : 16;
+        const __m256i pairs = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_maskz_loadu_ps((__mmask16)((1u << live) - 1u), sg + t));
+        /* only the row's own pairs: a short row (fewer than 16 slots) must not spill into the next */
+        _mm256_mask_storeu_epi32(pp + t / 2, (__mmask8)((1u << ((live + 1) / 2)) - 1u), pairs);
     }
 }
 
