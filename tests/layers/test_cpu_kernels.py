@@ -80,6 +80,21 @@ def test_decode_kernel_property(lens, block_size, group, dim, seed):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 64), (12, 4, 64), (16, 4, 64), (14, 2, 128), (8, 2, 128)])
+def test_decode_kernel_rows_shorter_than_a_chunk(dtype, atol, block_size, heads, kv_heads, dim):
+    """Every context shorter than the kernel's 16-key chunks (a scores row per head of fewer
+    than 16 slots): the vector items work per chunk and per group of heads, and must not let
+    one head's row spill into the next head's (groups of 2, 3, 4 and 7 heads here)."""
+    q, k_cache, v_cache, meta = _decode_problem([1, 3, 2, 5], heads, kv_heads, dim, block_size, dtype, seed=3)
+    scale = dim ** -0.5
+    out = _kernel(q, k_cache, v_cache, meta, scale)
+    ref = decode_attention_torch(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@needs_kernels
 def test_decode_kernel_declines_what_it_does_not_handle():
     q, k_cache, v_cache, meta = _decode_problem([5, 9], 4, 2, 8, 4, torch.float16)
     assert _kernel(q, k_cache, v_cache, meta, 0.3) is None  # float16: torch path

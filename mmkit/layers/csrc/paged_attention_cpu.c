@@ -389,9 +389,77 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
     }
 }
 
+/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V, and the
+ * float32 item's V) or 16-row chunks (the bf16 item's K). With K/V coming from DRAM, 4 read
+ * 8-14% faster than 1 (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf"
+ * against "pv"); from cache it made no difference. */
+#define MMKIT_DECODE_AHEAD 4
+
+/* Context rows of one KV head in order, from row `start`: `row` is the current row, and each
+ * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use
+ * (prefetch_chunk's reasoning: blocks sit at random places, so the hardware prefetcher cannot
+ * guess them). */
+typedef struct {
+    const char *row;
+    const char *cache;
+    const int64_t *table;
+    int64_t b, off, first_row, block_size, row_bytes, last_block;
+} RowWalk;
+
+static inline __attribute__((always_inline)) void prefetch_block(const RowWalk *w, int64_t b) {
+    if (b > w->last_block) return;
+    const char *at = w->cache + (w->first_row + w->table[b]) * w->block_size * w->row_bytes;
+    for (int64_t byte = 0; byte < w->block_size * w->row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+}
+
+static inline __attribute__((always_inline)) RowWalk row_walk(const void *cache, const int64_t *table, int64_t start,
+                                                               int64_t len, int64_t first_row, int64_t block_size,
+                                                               int64_t row_bytes) {
+    RowWalk w = {NULL, (const char *)cache, table, start / block_size, start % block_size, first_row, block_size,
+                 row_bytes, (len - 1) / block_size};
+    w.row = w.cache + ((first_row + table[w.b]) * block_size + w.off) * row_bytes;
+    for (int k = 1; k <= MMKIT_DECODE_AHEAD; k++) prefetch_block(&w, w.b + k);
+    return w;
+}
+
+/* To the next row (which must exist unless this was the context's last). */
+static inline __attribute__((always_inline)) void row_next(RowWalk *w) {
+    if (++w->off < w->block_size) {
+        w->row += w->row_bytes;
+        return;
+    }
+    w->off = 0;
+    if (++w->b > w->last_block) return;
+    w->row = w->cache + (w->first_row + w->table[w->b]) * w->block_size * w->row_bytes;
+    prefetch_block(w, w->b + MMKIT_DECODE_AHEAD);
+}
+
+/* P V of H (<= 6) query heads of a float32 item over its context rows [start, len) read in
+ * place: out[h * 16 NC ...] = sum over t of pr[h * stride + t - start] v_t, t in order (one FMA
+ * chain per element, as MMKIT_ITEM_PV). All H heads' accumulators stay in registers over the
+ * whole context, so each V row is loaded once for the group and H * NC chains run side by side
+ * (one head's NC chains a chunk at a time, through memory, left the FMA units mostly idle). */
+static inline __attribute__((always_inline)) void pv_heads_f32(float *out, const float *pr, int64_t stride,
+                                                                RowWalk w, int64_t n, const int NC, const int H) {
+    __m512 a[6][8];
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < NC; c++) a[h][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = (const float *)w.row;
+        for (int c = 0; c < NC; c++) {
+            const __m512 vc = _mm512_loadu_ps(v + 16 * c);
+            for (int h = 0; h < H; h++) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(pr[h * stride + i]), vc, a[h][c]);
+        }
+        if (i + 1 < n) row_next(&w);
+    }
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + h * 16 * NC + 16 * c, a[h][c]);
+}
+
 /* attend_item for head_dim = 16 * NC with AVX-512: bf16 rows are widened and staged 16 at a
- * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together, the
- * accumulators live in registers per chunk. */
+ * time (L1), float32 rows are read in place; the 16 scores of a chunk are reduced together. P V:
+ * float32 through pv_heads_f32 (a group of heads over the whole context in registers), bf16 (CPUs
+ * without AVX512-BF16) one head at a time per chunk. */
 static inline __attribute__((always_inline)) void attend_item_avx512(const Problem *p, int64_t item,
                                                                       float *restrict scores, float *restrict acc_all,
                                                                       float *restrict rows, const int NC,
@@ -427,6 +495,18 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     float sums[group];
     for (int64_t g = 0; g < group; g++) softmax_row512(scores + g * max_len, len - start, sums + g, dtype);
     /* Pass 2: acc_g = sum_t p_gt v_t */
+    if (dtype == MMKIT_F32) {
+        const int HB = 24 / NC;
+        for (int64_t h0 = 0; h0 < group; h0 += HB) {
+            const RowWalk w = row_walk(p->v_cache, table, start, len, first_row, p->block_size, row_bytes);
+            const int hn = group - h0 < HB ? (int)(group - h0) : HB;
+#define MMKIT_PV_F32(H) pv_heads_f32(acc_all + h0 * head_dim, scores + h0 * max_len, max_len, w, len - start, NC, H)
+            MMKIT_TILE_QB(hn, MMKIT_PV_F32)
+#undef MMKIT_PV_F32
+        }
+        item_store(p, &it, acc_all, sums, head_dim, dtype);
+        return;
+    }
     for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
@@ -456,6 +536,107 @@ static float *thread_scratch(int which, size_t count) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The bf16-rounded probabilities of a row of n scores as pairs: dword k = (p_2k, p_2k+1) (the
+ * second zero past the end), written in place over the row's first (n + 1) / 2 floats. Exact:
+ * softmax_row512 left bf16 values in float32. */
+static inline void pair_probabilities(float *sg, int64_t n) {
+    uint32_t *pp = (uint32_t *)sg;
+    for (int64_t t = 0; t < n; t += 16) {
+        const int64_t live = n - t < 16 ? n - t : 16;
+        const __m256i pairs = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_maskz_loadu_ps((__mmask16)((1u << live) - 1u), sg + t));
+        /* only the row's own pairs: a short row (fewer than 16 slots) must not spill into the next */
+        _mm256_mask_storeu_epi32(pp + t / 2, (__mmask8)((1u << ((live + 1) / 2)) - 1u), pairs);
+    }
+}
+
+/* P V of H (<= 6) query heads of a bf16 item over its n context rows, two keys per VDPBF16PS:
+ * the V rows of keys 2k, 2k + 1 interleaved per element by two in-lane unpacks (no widening),
+ * against the pair (p_2k, p_2k+1) of each head (pp[h * stride + k]). The unpacks put elements in
+ * a permuted order (dword 4L + j of vector 2c is element 32c + 8L + j, of vector 2c + 1 element
+ * 32c + 8L + 4 + j, for 128-bit lane L): out gets the accumulators in that order. As in
+ * pv_heads_f32, the H * NC accumulators stay in registers over the whole context; each element's
+ * sum is the same chain of pair products as before, so results are unchanged. */
+static inline __attribute__((always_inline)) void pv_heads_bf16(float *out, const uint32_t *pp, int64_t stride,
+                                                                 RowWalk w, int64_t n, const int NC, const int H) {
+    __m512 a[6][8];
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < NC; c++) a[h][c] = _mm512_setzero_ps();
+    for (int64_t i = 0, k = 0; i < n; i += 2, k++) {
+        const uint16_t *r0 = (const uint16_t *)w.row;
+        if (i + 1 < n) row_next(&w);
+        const uint16_t *r1 = i + 1 < n ? (const uint16_t *)w.row : NULL;
+        if (i + 2 < n) row_next(&w);
+        for (int c = 0; c < NC / 2; c++) {
+            const __m512i x = _mm512_loadu_si512(r0 + 32 * c);
+            const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int h = 0; h < H; h++) {
+                const __m512bh pk = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + k]);
+                a[h][2 * c] = _mm512_dpbf16_ps(a[h][2 * c], pk, lo);
+                a[h][2 * c + 1] = _mm512_dpbf16_ps(a[h][2 * c + 1], pk, hi);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + h * 16 * NC + 16 * c, a[h][c]);
+}
+
+/* Accumulators of pv_heads_bf16 (one head, 16 * NC floats) back into element order. */
+static inline __attribute__((always_inline)) void unpermute_pairs(float *restrict dst, const float *restrict acc,
+                                                                   const int NC) {
+    for (int c = 0; c < NC / 2; c++)
+        for (int L = 0; L < 4; L++)
+            for (int j = 0; j < 4; j++) {
+                dst[32 * c + 8 * L + j] = acc[32 * c + 4 * L + j];
+                dst[32 * c + 8 * L + 4 + j] = acc[32 * c + 16 + 4 * L + j];
+            }
+}
+
+/* Scores of HB (2, 3 or 4) query heads against one chunk of n (<= 16) keys (rows slots[i]), bf16,
+ * KB = 8 (HB 2) or 4 keys at a time (HB 3 leaves lanes 12-15 unused): each K row is loaded once
+ * for the HB heads (before, once per head), and one reduce16 sums the HB x KB dot products (lane
+ * h * KB + i: head h, key i). Each score is the same sum as before: VDPBF16PS along the row, then
+ * reduce16's tree over its lanes. out[h * stride + i] = scale * q_h . k_i. With 4 heads of 64
+ * (Llama-style 32/8 GQA) the call was about 10% faster, with heads of 128 up to 1.3x. */
+static inline __attribute__((always_inline)) void chunk_scores_bf16(float *out, int64_t stride, const uint16_t *kc,
+                                                                     const int64_t *slots, int64_t n,
+                                                                     const uint16_t *q0, __m512 scale, const int NC,
+                                                                     const int HB) {
+    const int64_t head_dim = 16 * NC;
+    const int KB = HB == 2 ? 8 : 4;
+    __m512bh q[4][4];
+    for (int h = 0; h < HB; h++)
+        for (int c = 0; c < NC / 2; c++) q[h][c] = (__m512bh)_mm512_loadu_si512(q0 + h * head_dim + 32 * c);
+    for (int64_t i0 = 0; i0 < n; i0 += KB) {
+        __m512 part[16];
+        for (int j = 0; j < 16; j++) part[j] = _mm512_setzero_ps();
+        for (int i = 0; i < KB; i++) {
+            if (i0 + i >= n) break;
+            __m512bh k[4];
+            for (int c = 0; c < NC / 2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kc + slots[i0 + i] * head_dim + 32 * c);
+            for (int h = 0; h < HB; h++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < NC / 2; c++) a = _mm512_dpbf16_ps(a, q[h][c], k[c]);
+                part[h * KB + i] = a;
+            }
+        }
+        const __m512 sc = _mm512_mul_ps(reduce16(part), scale);
+        const int64_t m = n - i0 < KB ? n - i0 : KB;
+        if (KB == 8) {
+            for (int h = 0; h < HB; h++)
+                _mm256_mask_storeu_ps(out + h * stride + i0, (__mmask8)((1u << m) - 1u),
+                                      h ? _mm512_extractf32x8_ps(sc, 1) : _mm512_castps512_ps256(sc));
+        } else {
+            const __mmask8 live = (__mmask8)((1u << m) - 1u);
+            _mm_mask_storeu_ps(out + i0, live, _mm512_castps512_ps128(sc));
+            _mm_mask_storeu_ps(out + stride + i0, live, _mm512_extractf32x4_ps(sc, 1));
+            _mm_mask_storeu_ps(out + 2 * stride + i0, live, _mm512_extractf32x4_ps(sc, 2));
+            if (HB == 4) _mm_mask_storeu_ps(out + 3 * stride + i0, live, _mm512_extractf32x4_ps(sc, 3));
+        }
+    }
+}
+
 /* attend_item_avx512 for bf16 on CPUs with AVX512-BF16: the cache rows are used as bf16, never
  * widened and staged (that widening was about half of the decode kernel's time). Scores are
  * q . k by VDPBF16PS (bf16 products are exact in float32; sums in float32), then times the
@@ -476,73 +657,67 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
     const __m512 scale = _mm512_set1_ps(p->scale);
     int64_t slots[16];
     /* Pass 1: scores */
-    const int64_t first_n = len - start < 16 ? len - start : 16;
+    const int64_t first_n = len - start < 16 * MMKIT_DECODE_AHEAD ? len - start : 16 * MMKIT_DECODE_AHEAD;
+    int v_asked = 0;
     prefetch_chunk(kc, table, start, first_n, first_row, p->block_size, row_bytes);
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (ahead > 0) prefetch_chunk(kc, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        else prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
+        const int64_t at = t0 + 16 * MMKIT_DECODE_AHEAD;
+        const int64_t ahead = len - at < 16 ? len - at : 16;
+        if (ahead > 0) {
+            prefetch_chunk(kc, table, at, ahead, first_row, p->block_size, row_bytes);
+        } else if (!v_asked) { /* past K's end: V's first rows */
+            prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
+            v_asked = 1;
+        }
         chunk_slots(slots, table, t0, n, first_row, p->block_size);
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qg = qrow + (kvh * group + g) * head_dim;
-            __m512bh q[4];
-            for (int c = 0; c < NC / 2; c++) q[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
-            __m512 part[16];
-            for (int64_t i = 0; i < 16; i++) {
-                __m512 a = _mm512_setzero_ps();
-                if (i < n)
-                    for (int c = 0; c < NC / 2; c++)
-                        a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(kc + slots[i] * head_dim + 32 * c));
-                part[i] = a;
+        /* heads 4 at a time (head dim 64; a last 3 together too) or 2 (128: their query
+         * registers), the rest one by one */
+        for (int64_t h0 = 0; h0 < group;) {
+            const int64_t left = group - h0;
+            const int hb = NC == 4 ? (left >= 4 ? 4 : left == 3 ? 3 : 1) : (left >= 2 ? 2 : 1);
+            float *out = scores + h0 * max_len + (t0 - start);
+            const uint16_t *q0 = qrow + (kvh * group + h0) * head_dim;
+            if (hb == 4) {
+                chunk_scores_bf16(out, max_len, kc, slots, n, q0, scale, NC, 4);
+            } else if (hb == 3) {
+                chunk_scores_bf16(out, max_len, kc, slots, n, q0, scale, NC, 3);
+            } else if (hb == 2) {
+                chunk_scores_bf16(out, max_len, kc, slots, n, q0, scale, NC, 2);
+            } else { /* one head against the 16 keys */
+                __m512bh q[4];
+                for (int c = 0; c < NC / 2; c++) q[c] = (__m512bh)_mm512_loadu_si512(q0 + 32 * c);
+                __m512 part[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (i < n)
+                        for (int c = 0; c < NC / 2; c++)
+                            a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(kc + slots[i] * head_dim + 32 * c));
+                    part[i] = a;
+                }
+                _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(reduce16(part), scale));
             }
-            _mm512_mask_storeu_ps(scores + g * max_len + (t0 - start), (__mmask16)((1u << n) - 1u),
-                                  _mm512_mul_ps(reduce16(part), scale));
+            h0 += hb;
         }
     }
     float sums[group];
     for (int64_t g = 0; g < group; g++) softmax_row512(scores + g * max_len, len - start, sums + g, MMKIT_BF16);
-    /* Pass 2: acc_g = sum_t p_gt v_t, two keys per VDPBF16PS */
-    for (int64_t i = 0; i < group * head_dim; i++) acc_all[i] = 0.0f;
-    for (int64_t t0 = start; t0 < len; t0 += 16) {
-        const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (ahead > 0) prefetch_chunk(vc, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        chunk_slots(slots, table, t0, n, first_row, p->block_size);
-        /* V rows of keys 2k, 2k + 1 interleaved per element (the second zero past the end), once
-         * per chunk into L1; then each head's accumulators stay in registers over the pairs. */
-        __m512i w[8][8];
-        const int64_t pairs = (n + 1) / 2;
-        for (int64_t k = 0; k < pairs; k++) {
-            const uint16_t *v0 = vc + slots[2 * k] * head_dim;
-            const uint16_t *v1 = 2 * k + 1 < n ? vc + slots[2 * k + 1] * head_dim : NULL;
-            for (int c = 0; c < NC; c++) {
-                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
-                const __m512i hi = v1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                            _mm256_loadu_si256((const __m256i *)(v1 + 16 * c))), 16)
-                                      : _mm512_setzero_si512();
-                w[k][c] = _mm512_or_si512(lo, hi);
-            }
-        }
-        const __mmask16 live = (__mmask16)((1u << n) - 1u);
-        for (int64_t g = 0; g < group; g++) {
-            /* The probabilities are bf16 values held in float32 (softmax_row512 rounded them), so
-             * this conversion is exact; dword k of it is the pair (p_2k, p_2k+1). */
-            uint32_t pp[8];
-            _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(
-                                                   _mm512_maskz_loadu_ps(live, scores + g * max_len + (t0 - start))));
-            __m512 a[8];
-            for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(acc_all + g * head_dim + 16 * c);
-            for (int64_t k = 0; k < pairs; k++) {
-                const __m512bh pk = (__m512bh)_mm512_set1_epi32((int)pp[k]);
-                for (int c = 0; c < NC; c++) a[c] = _mm512_dpbf16_ps(a[c], pk, (__m512bh)w[k][c]);
-            }
-            for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc_all + g * head_dim + 16 * c, a[c]);
-        }
+    /* Pass 2: acc_g = sum_t p_gt v_t, two keys per VDPBF16PS, up to 6 heads at a time */
+    for (int64_t g = 0; g < group; g++) pair_probabilities(scores + g * max_len, len - start);
+    const int HB = 24 / NC;
+    for (int64_t h0 = 0; h0 < group; h0 += HB) {
+        const RowWalk w = row_walk(vc, table, start, len, first_row, p->block_size, row_bytes);
+        const int hn = group - h0 < HB ? (int)(group - h0) : HB;
+        const uint32_t *pp = (const uint32_t *)(scores + h0 * max_len);
+#define MMKIT_PV_BF16(H) pv_heads_bf16(acc_all + h0 * head_dim, pp, max_len, w, len - start, NC, H)
+        MMKIT_TILE_QB(hn, MMKIT_PV_BF16)
+#undef MMKIT_PV_BF16
     }
     for (int64_t g = 0; g < group; g++) {
-        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc_all + g * head_dim,
-                   1.0f / sums[g], head_dim, MMKIT_BF16);
+        float acc[128];
+        unpermute_pairs(acc, acc_all + g * head_dim, NC);
+        store_head(p->out, (s * p->num_heads + kvh * group + g) * head_dim, acc, 1.0f / sums[g], head_dim,
+                   MMKIT_BF16);
     }
 }
 #endif
