@@ -208,7 +208,9 @@ class LLMEngine:
         self.parent_requests.add(request_id, child_ids)
         for child in children:
             self.scheduler.add_request(SequenceGroup.create(child.request_id, processed, child.params, child.seed))
-            self.input_stage.add_request(child.request_id, processed.images, processed.image_embeds)
+            # The samples share one prompt: its items go through the processor once.
+            shares = None if child.request_id == child_ids[0] else child_ids[0]
+            self.input_stage.add_request(child.request_id, processed.images, processed.image_embeds, shares=shares)
 
     def add_lora(self, lora_request: Any) -> None:
         """Load and check an adapter before any request names it (vLLM's `add_lora`)."""

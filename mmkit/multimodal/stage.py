@@ -16,6 +16,12 @@ patched in afterwards). The HF processor's per-item work never runs inside `LLME
 - the runner takes an item's model inputs with `mm_item_inputs(request_id, item)`: a finished
   result, its error (if the processor raised) re-raised there, failing that request alone;
 - `release` (finished, aborted) forgets the request.
+
+The n samples of one user request (fanned out into n scheduler requests, engine/parent_request.py)
+share one prompt and so one set of items: the first sample registers them, the others are added
+with `shares=<its id>` and read the same results, so the processor runs once per prompt, not once
+per sample. The shared results live until every sample's prompt is done (or it ended); a sample
+preempted later brings them back with `requeue`, as a lone request does.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ class MultiModalInputStage:
         self._items: dict[str, list[MultiModalItem]] = {}
         # Without prefetching: request id -> id(item) -> its inputs, computed when it was added
         self._computed: dict[str, dict[int, Future]] = {}
+        # Samples of one prompt: request id -> the id its items are kept under (the first
+        # sample's); key -> its live samples, and those whose prompt is not yet computed.
+        self._key: dict[str, str] = {}
+        self._members: dict[str, set[str]] = {}
+        self._prompt_pending: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ engine side
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> Iterable[Any]:
@@ -55,14 +66,25 @@ class MultiModalInputStage:
         return self.prefetcher.map(fn, items) if self.prefetcher is not None else map(fn, items)
 
     def add_request(self, request_id: str, items: Sequence[MultiModalItem],
-                    given_embeds: Sequence[Any] | None = None) -> None:
+                    given_embeds: Sequence[Any] | None = None, *, shares: str | None = None) -> None:
         """A queued request: its items' processor work starts (on the workers), or is done now
-        (without them). An item with user-given embeddings (`given_embeds[i]` not None) needs none."""
+        (without them). An item with user-given embeddings (`given_embeds[i]` not None) needs none.
+        `shares`: another live request with the same prompt (a sibling sample): this one reads
+        its results instead of running the processor again."""
         if given_embeds is not None and not isinstance(given_embeds, (list, tuple)):
             return  # one [N, tokens, hidden] tensor for every item: no processor work
         items = [item for i, item in enumerate(items) if given_embeds is None or given_embeds[i] is None]
         if not items:
             return
+        if shares is not None and shares in self._key:
+            key = self._key[request_id] = self._key[shares]
+            self._members[key].add(request_id)
+            self._prompt_pending[key].add(request_id)
+            self.requeue(request_id)  # the results may have been freed already
+            return
+        self._key[request_id] = request_id
+        self._members[request_id] = {request_id}
+        self._prompt_pending[request_id] = {request_id}
         self._items[request_id] = items
         if self.prefetcher is not None:
             self.prefetcher.add_request(request_id, items)
@@ -71,41 +93,66 @@ class MultiModalInputStage:
 
     def prompt_done(self, request_id: str) -> None:
         """The request's prompt is computed (first token sampled): the workers' results are
-        freed; they come back with `requeue` if it is preempted. Without workers they stay."""
-        if self.prefetcher is not None:
-            self.prefetcher.release(request_id)
+        freed once no sibling sample still needs them; they come back with `requeue` if it is
+        preempted. Without workers they stay."""
+        key = self._key.get(request_id)
+        if key is None:
+            return
+        pending = self._prompt_pending[key]
+        pending.discard(request_id)
+        if not pending and self.prefetcher is not None:
+            self.prefetcher.release(key)
 
     def requeue(self, request_id: str) -> None:
         """The request was preempted (recompute): if its items' results were freed, they are
         prepared again on the workers, ahead of its re-admission (the scheduler waits for them)."""
-        items = self._items.get(request_id)
-        if self.prefetcher is not None and items and not self.prefetcher.holds(request_id):
-            self.prefetcher.add_request(request_id, items)
+        key = self._key.get(request_id)
+        if key is None:
+            return
+        self._prompt_pending[key].add(request_id)
+        items = self._items.get(key)
+        if self.prefetcher is not None and items and not self.prefetcher.holds(key):
+            self.prefetcher.add_request(key, items)
 
     def release(self, request_id: str) -> None:
-        """The request ended (finished, aborted, failed): nothing of it is kept."""
-        self._items.pop(request_id, None)
-        self._computed.pop(request_id, None)
+        """The request ended (finished, aborted, failed): nothing of it is kept once its
+        sibling samples ended too."""
+        key = self._key.pop(request_id, None)
+        if key is None:
+            return
+        members, pending = self._members[key], self._prompt_pending[key]
+        members.discard(request_id)
+        pending.discard(request_id)
+        if members:
+            if not pending and self.prefetcher is not None:
+                self.prefetcher.release(key)
+            return
+        del self._members[key], self._prompt_pending[key]
+        self._items.pop(key, None)
+        self._computed.pop(key, None)
         if self.prefetcher is not None:
-            self.prefetcher.release(request_id)
+            self.prefetcher.release(key)
 
     def holds(self, request_id: str) -> bool:
         """Whether the workers hold results (or queued work) of the request."""
-        return self.prefetcher is not None and self.prefetcher.holds(request_id)
+        return self.prefetcher is not None and self.prefetcher.holds(self._key_of(request_id))
 
     def shutdown(self) -> None:
         self._items.clear()
         self._computed.clear()
+        self._key.clear()
+        self._members.clear()
+        self._prompt_pending.clear()
         if self.prefetcher is not None:
             self.prefetcher.shutdown()
 
     # ------------------------------------------------------------------ scheduler side
     def is_ready(self, request_id: str) -> bool:
-        return self.prefetcher is None or self.prefetcher.is_ready(request_id)
+        return self.prefetcher is None or self.prefetcher.is_ready(self._key_of(request_id))
 
     def start_now(self, request_ids: list[str]) -> None:
         if self.prefetcher is not None:
-            self.prefetcher.start_now(request_ids)
+            self.prefetcher.start_now([self._key_of(rid) for rid in request_ids])
 
     def prepare_now(self, request_ids: list[str]) -> None:
         """Start these requests' items at once (past any lookahead) and wait for them: the
@@ -119,7 +166,7 @@ class MultiModalInputStage:
 
     def wait(self, request_id: str) -> None:
         if self.prefetcher is not None:
-            self.prefetcher.wait(request_id)
+            self.prefetcher.wait(self._key_of(request_id))
 
     @property
     def prefetches(self) -> bool:
@@ -129,12 +176,16 @@ class MultiModalInputStage:
     # ------------------------------------------------------------------ runner side
     def mm_item_inputs(self, request_id: str, item: MultiModalItem) -> MultiModalKwargs:
         """The item's model inputs for `embed_multimodal` (see the module docstring)."""
+        key = self._key_of(request_id)
         if self.prefetcher is not None:
-            return self.prefetcher.mm_item_inputs(request_id, item)
-        computed = self._computed.get(request_id, {}).get(id(item))
+            return self.prefetcher.mm_item_inputs(key, item)
+        computed = self._computed.get(key, {}).get(id(item))
         if computed is None:  # pragma: no cover - every processed item was computed at add
             raise RuntimeError(f"request {request_id!r}: an item's inputs were not computed when it was added")
         return computed.result()
+
+    def _key_of(self, request_id: str) -> str:
+        return self._key.get(request_id, request_id)
 
     def _compute(self, item: MultiModalItem) -> Future:
         """The item's inputs now, as a finished future: an error is kept for the runner to

@@ -169,3 +169,46 @@ def test_a_step_carries_its_items_model_inputs(tiny_ckpt, monkeypatch):
     llm.generate([{"prompt": prompt, "multi_modal_data": {"image": make_image(5)}}],
                  SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(seen) == 1 and set(seen[0][1]) == {"pixel_values"} and seen[0][1]["pixel_values"].dim() == 4
+
+
+def test_the_samples_of_one_prompt_share_its_processor_work(tiny_ckpt, monkeypatch):
+    """n > 1 fans out into n scheduler requests with one prompt: the processor runs once per
+    item, not once per sample (with and without prefetching, through a preemption), and
+    nothing of the request is kept afterwards."""
+    image = make_image(77, 40, 30)
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=40, ignore_eos=True)
+    inp = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+    reference = get_llm(tiny_ckpt).generate(inp, params, use_tqdm=False)[0]
+    for async_preprocess in (True, False):
+        # encoder_cache_memory=0: every sample encodes its image from the shared inputs.
+        llm = LLM(str(tiny_ckpt), dtype="float32", async_preprocess=async_preprocess, preprocess_lookahead=2,
+                  encoder_cache_memory=0)
+        calls = _ProcessorCalls(llm, monkeypatch)
+        out = llm.generate(inp, params, use_tqdm=False)[0]
+        assert len(calls.calls) == 1 and calls.in_step == [], calls.calls
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference.outputs]
+        stage = llm.llm_engine.input_stage
+        assert not stage._items and not stage._computed and not stage._key and not stage._members
+        if async_preprocess:
+            assert not llm.llm_engine.prefetcher._live and llm.llm_engine.prefetcher.num_inline == 0
+        monkeypatch.undo()
+
+
+def test_a_preempted_sample_brings_the_shared_items_back(tiny_ckpt, monkeypatch):
+    """Samples of one image prompt that do not fit together: the preempted one is recomputed
+    from the workers' results again (never inline at step time), and the ids are the roomy
+    engine's."""
+    image = make_image(78, 40, 30)
+    params = SamplingParams(temperature=1.0, seed=9, n=4, max_tokens=60, ignore_eos=True)
+    inp = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+    reference = get_llm(tiny_ckpt).generate(inp, params, use_tqdm=False)[0]
+    llm = LLM(str(tiny_ckpt), dtype="float32", preprocess_lookahead=2, num_kv_blocks=12, block_size=16,
+              encoder_cache_memory=0)
+    calls = _ProcessorCalls(llm, monkeypatch)
+    out = llm.generate(inp, params, use_tqdm=False)[0]
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert calls.in_step == [] and llm.llm_engine.prefetcher.num_inline == 0
+    assert all(name.startswith("mmkit-preprocess") for name, _ in calls.calls), calls.calls
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference.outputs]
+    stage = llm.llm_engine.input_stage
+    assert not llm.llm_engine.prefetcher._live and not stage._items and not stage._key
