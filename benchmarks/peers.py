@@ -237,7 +237,7 @@ def compare(workload: str, dtype: str, args) -> dict:
     for engine in engines[1:]:
         gate_v = runs[engine][0]["parity_ids"]
         same = sum(a == b for a, b in zip(gate_m, gate_v))
-        out["parity_identical" + ("" if engine == "vllm" else f"_{engine}")] = f"{same}/{len(gate_m)}"
+        out["parity_identical" + ("" if engine == "vllm" else "_" + engine.replace("-", "_"))] = f"{same}/{len(gate_m)}"
         if dtype == "float32" and same != len(gate_m):
             print(f"parity gate FAILED in float32 ({engine}): {same}/{len(gate_m)} identical", flush=True)
             out["parity_failed"] = True
@@ -306,7 +306,12 @@ def main() -> None:
     args = p.parse_args()
     if args.floor == []:
         args.floor = ["panels", "vllm-onednn"]
-    results = [compare(w, d, args) for d in args.dtype for w in args.workload]
+    results = []
+    for d in args.dtype:
+        for w in args.workload:
+            results.append(compare(w, d, args))
+            if args.json:  # after every workload: a later failure keeps the figures so far
+                Path(args.json).write_text(json.dumps(results, indent=2))
     engines = ["vllm"] + (["vllm-zentorch"] if args.vllm_zentorch_python else [])
     print("\n| workload | dtype | mmkit | vLLM-CPU | mmkit / vLLM | per pair | parity |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
