@@ -2,8 +2,8 @@
 # Round 5 "before" figures (issue 52), one stage per call: bash run_round5.sh STAGE [PAIRS] [TAG]
 # Run from the repository root; vLLM-CPU set up by ../shared/peers/setup_vllm_cpu.sh in $VLLM
 # and, where $VLLM_ZT exists, a second copy with zentorch installed (a third system in every
-# pair; ZT=0 leaves it out). Each stage writes STAGE.log and STAGE.json here, with the host's
-# load before and after in STAGE.log.
+# pair; ZT=0 leaves it out). Each stage writes STAGE[_TAG].log and .json here, with the
+# host's load before and after in the log. PAIRS defaults to 3; this round ran 1 (shared host).
 set -euo pipefail
 OUT=$(cd "$(dirname "$0")" && pwd)
 VLLM=${VLLM:-/tmp/vllm-cpu-venv/bin/python}
