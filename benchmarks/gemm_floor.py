@@ -70,13 +70,15 @@ class Shapes:
         return 2 * self.lm_head[0] * self.lm_head[1]
 
 
-def checkpoint_shapes(model: str) -> tuple[Shapes, int]:
-    """(the decoder's Shapes, image tokens per image) of a LLaVA checkpoint directory."""
+def checkpoint_shapes(model: str) -> tuple[Shapes, int | None]:
+    """(the decoder's Shapes, image tokens per image) of a checkpoint directory; the image
+    tokens only where a fixed-size tower sets them (LLaVA), else None (Qwen2-VL: the spec's)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model, local_files_only=True)
     vision = cfg.vision_config
-    return Shapes.of_text_config(cfg.text_config), (vision.image_size // vision.patch_size) ** 2
+    size = getattr(vision, "image_size", None)
+    return Shapes.of_text_config(cfg.text_config), (size // vision.patch_size) ** 2 if size else None
 
 
 def kv_read_bytes(prompt_lens: list[int], out_lens: list[int], shapes: Shapes, elem_bytes: int) -> int:
@@ -112,12 +114,14 @@ def schedule(prompt_lens: list[int], out_lens: list[int], chunk: int) -> list[St
 
 
 def workload_lengths(spec: dict, image_tokens: int) -> tuple[list[int], list[int]]:
-    """Prompt lengths as the decoder sees them (<s>, the image's tokens, the text) and output
-    lengths of the timed requests `peer_worker.py` builds for `spec` (its first repeat)."""
+    """Prompt lengths as the decoder sees them (the prompt's other special tokens: <s> for
+    LLaVA, vision start and end for Qwen; the image's tokens; the text) and output lengths of
+    the timed requests `peer_worker.py` builds for `spec` (its first repeat)."""
     from peer_worker import workload
 
+    extra = len(spec.get("prompt_prefix", [0, 0])) - 1  # the image token itself is the image's tokens
     reqs = workload(spec, seed=spec["seed"])
-    return [1 + image_tokens + len(r.text_ids) for r in reqs], [r.max_tokens for r in reqs]
+    return [extra + image_tokens + len(r.text_ids) for r in reqs], [r.max_tokens for r in reqs]
 
 
 class Kernel:
@@ -188,6 +192,7 @@ def measure(spec: dict, kernels: list[str], chunk: int = 2048) -> dict:
     common.set_threads(spec["threads"])
     dtype = getattr(torch, spec["dtype"])
     shapes, image_tokens = checkpoint_shapes(spec["model"])
+    image_tokens = spec.get("image_tokens", image_tokens)
     prompt_lens, out_lens = workload_lengths(spec, image_tokens)
     steps = schedule(prompt_lens, out_lens, chunk)
     flops = [s.rows * shapes.token_flops() + s.logit_rows * shapes.logit_flops() for s in steps]

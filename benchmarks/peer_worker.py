@@ -54,18 +54,43 @@ def build_engine(spec: dict):
     return run
 
 
-def inputs_of(reqs, image_size: int) -> list[dict]:
-    # The same prompt form for both engines: token ids holding one <image> id (each engine's
-    # processor expands it to the tower's count) and the request's own PIL image.
-    return [{"prompt_token_ids": [common.BOS_ID, common.IMAGE_ID] + r.text_ids,
-             "multi_modal_data": {"image": common.make_image(r.image_seed, image_size)}} for r in reqs]
+PHOTOS = Path(__file__).resolve().parent / ".cache" / "photos-1024x768"
+
+
+def photo(seed: int):
+    """The request's 1024x768 photo crop (common._large_photo) as a JPEG file, written once, and
+    opened lazily: the engine that gets it decodes it inside its own call."""
+    from PIL import Image
+
+    path = PHOTOS / f"{seed}.jpg"
+    if not path.exists():
+        PHOTOS.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        common._large_photo(seed).save(tmp, format="JPEG", quality=90)
+        tmp.rename(path)
+    return Image.open(path)
+
+
+def inputs_of(reqs, spec: dict) -> list[dict]:
+    # The same prompt form for both engines: token ids holding the image token once (each
+    # engine's processor expands it to the tower's count), text ids above the special tokens,
+    # and the request's own PIL image.
+    lowest = spec.get("first_text_id", common.NUM_SPECIAL_TOKENS)
+    prefix = spec.get("prompt_prefix", [common.BOS_ID, common.IMAGE_ID])
+
+    def image(seed):
+        return photo(seed) if spec.get("photos") else common.make_image(seed, spec["image_size"])
+    return [{"prompt_token_ids": prefix + [t if t >= lowest else t + lowest for t in r.text_ids],
+             "multi_modal_data": {"image": image(r.image_seed)}} for r in reqs]
 
 
 def workload(spec: dict, seed: int):
     """Seeded requests: prompts of min..max_prompt random text tokens after one image,
-    output lengths uniform in 8..128 (forced with ignore_eos on both sides)."""
+    output lengths uniform in min_out..max_out (8..128 unless the spec says; forced with
+    ignore_eos on both sides)."""
     return common.make_workload("mixed", spec["num_requests"], seed=seed, min_prompt=spec["min_prompt"],
-                                max_prompt=spec["max_prompt"], min_out=8, max_out=128)
+                                max_prompt=spec["max_prompt"], min_out=spec.get("min_out", 8),
+                                max_out=spec.get("max_out", 128))
 
 
 def main() -> None:
@@ -79,22 +104,21 @@ def main() -> None:
     t0 = time.perf_counter()
     run = build_engine(spec)
     result: dict = {"system": spec["system"], "load_s": time.perf_counter() - t0}
-    size = spec["image_size"]
     # Parity gate requests (same for both systems): greedy ids, compared by the parent.
     gate = common.make_workload("uniform", spec["parity_requests"], seed=12345, uniform_len=spec["parity_tokens"])
-    result["parity_ids"] = run(inputs_of(gate, size), [r.max_tokens for r in gate])
+    result["parity_ids"] = run(inputs_of(gate, spec), [r.max_tokens for r in gate])
     warm = common.make_workload("mixed", 8, seed=999, max_out=16)
-    run(inputs_of(warm, size), [r.max_tokens for r in warm])  # warm-up: compile, caches, pools
+    run(inputs_of(warm, spec), [r.max_tokens for r in warm])  # warm-up: compile, caches, pools
     if spec["workload"] == "batch1":
         ttft, tpot = [], []
         for rep in range(spec["repeats"]):
             req = common.make_workload("uniform", 1, seed=500 + rep, uniform_len=spec["batch1_tokens"])
-            x = inputs_of(req, size)
+            x = inputs_of(req, spec)
             # TTFT: a call generating one token; TPOT: the extra time of N tokens over one.
             start = time.perf_counter()
             run(x, [1])
             first = time.perf_counter() - start
-            x = inputs_of(common.make_workload("uniform", 1, seed=700 + rep, uniform_len=spec["batch1_tokens"]), size)
+            x = inputs_of(common.make_workload("uniform", 1, seed=700 + rep, uniform_len=spec["batch1_tokens"]), spec)
             start = time.perf_counter()
             run(x, [spec["batch1_tokens"]])
             full = time.perf_counter() - start
@@ -107,7 +131,7 @@ def main() -> None:
         for rep in range(spec["repeats"]):
             # A fresh seed per repeat: no prefix/encoder cache hit across repeats.
             reqs = workload(spec, seed=spec["seed"] + rep)
-            x = inputs_of(reqs, size)
+            x = inputs_of(reqs, spec)
             start = time.perf_counter()
             ids = run(x, [r.max_tokens for r in reqs])
             elapsed = time.perf_counter() - start

@@ -70,6 +70,35 @@ def build_bench_qwen2_vl(num_layers: int, vision_depth: int) -> str:
     return str(out)
 
 
+def build_qwen2_vl_2b_hub(num_layers: int = 28, vision_depth: int = 32) -> str:
+    """`peers.py --shape qwen2-vl-2b`: the Qwen2-VL-2B shape above (full depth: 28 decoder layers,
+    32 vision blocks, about 2.2B parameters), random weights in bf16 as the hub ships them, in the
+    hub's layout (`visual.*`, `model.layers.*`; transformers-4.x config.json), which vLLM 0.32 and
+    mmkit both load. Built once under benchmarks/.cache/; transformers' own class builds it (in
+    bf16 from the start: a float32 copy of the full depth would hold 8.8 GB of memory)."""
+    import shutil
+
+    from mmkit.testing.qwen2_vl import rewrite_qwen_hub_layout
+
+    out = ROOT / ".cache" / f"bench-qwen2vl-2b-{num_layers}l-{vision_depth}v-hub"
+    if (out / "config.json").exists():
+        return str(out)
+    src = ROOT / ".cache" / f"bench-qwen2vl-2b-{num_layers}l-{vision_depth}v-build"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        build_tiny_qwen2_vl(src, seed=0, text_layers=num_layers, hidden=1536, num_heads=12, num_kv_heads=2,
+                            intermediate=8960, vision_depth=vision_depth, vision_dim=1280, vision_heads=16,
+                            vision_mlp_ratio=4, patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+                            tie_word_embeddings=True, max_position_embeddings=32768, init_std=0.02,
+                            mrope_section=[16, 24, 24], tokenizer=build_full_vocab_qwen_tokenizer())
+    finally:
+        torch.set_default_dtype(default)
+    rewrite_qwen_hub_layout(src, out, num_shards=max(1, num_layers // 8))
+    shutil.rmtree(src)  # the transformers-5 layout was only the rewrite's input
+    return str(out)
+
+
 def build_bench_qwen3_vl(num_layers: int, vision_depth: int) -> str:
     from mmkit.testing.qwen3_vl import build_tiny_qwen3_vl
 

@@ -171,3 +171,47 @@ def test_preprocess_times_the_three_modes_with_identical_ids(tmp_path):
     assert data["prefetch"]["processes"]["prefetched"] == 3 + 4 and data["prefetch"]["processes"]["inline"] == 0
     assert 0 < data["serial_processor_share"][0] < 1 and not data["cpu"].startswith("unknown")
     assert set(data["micro"]["ms_per_image"]) == {"serial", "threads_1", "threads_2", "processes_2"}
+
+def test_peers_qwen2_vl_2b_shape_and_preprocessing_heavy_workload():
+    """peers.py's 2B-class shape at a one-layer, one-block cut (no vLLM): Qwen2-VL-2B's
+    dimensions in the checkpoint both engines load, image token counts equal to what the HF
+    processor makes of the workload's images, and the preprocessing-heavy workload's lazily
+    opened 1024x768 JPEGs."""
+    import torch
+    from PIL import JpegImagePlugin
+    from transformers import AutoConfig, AutoProcessor
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import peers
+    from gemm_floor import checkpoint_shapes, workload_lengths
+    from peer_worker import inputs_of, workload
+
+    torch.set_num_threads(1)
+    spec = peers.workload_spec("decode-heavy", "float32", shape="qwen2-vl-2b", num_layers=1, vision_depth=1,
+                               num_requests=3)
+    cfg = AutoConfig.from_pretrained(spec["model"])
+    text, vision = cfg.text_config, cfg.vision_config
+    assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.intermediate_size,
+            text.vocab_size, text.num_hidden_layers) == (1536, 12, 2, 8960, 151936, 1)
+    assert (vision.embed_dim, vision.num_heads, vision.patch_size, vision.depth) == (1280, 16, 14, 1)
+    assert spec["num_requests"] == 3 and spec["num_layers"] == 1
+    shapes, fixed_tokens = checkpoint_shapes(spec["model"])
+    assert fixed_tokens is None and shapes.layer == ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+    processor = AutoProcessor.from_pretrained(spec["model"])
+    ids = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    assert spec["prompt_prefix"] == ids
+    photos = peers.workload_spec("preprocessing-heavy", "float32", shape="qwen2-vl-2b", num_layers=1,
+                                 vision_depth=1, num_requests=2)
+    for s in (spec, photos):
+        reqs = inputs_of(workload(s, seed=0), s)
+        assert all(r["prompt_token_ids"][:3] == ids and min(r["prompt_token_ids"][3:]) >= s["first_text_id"]
+                   for r in reqs)
+        grid = processor.image_processor(images=[reqs[0]["multi_modal_data"]["image"]], return_tensors="pt")
+        assert int(grid["image_grid_thw"][0].prod()) // 4 == s["image_tokens"]
+        prompts, _ = workload_lengths(s, s["image_tokens"])
+        assert prompts[0] == 2 + s["image_tokens"] + len(reqs[0]["prompt_token_ids"]) - 3
+    assert (spec["image_tokens"], photos["image_tokens"]) == (4, 999)  # 56x56 and 1036x756 px after resizing
+    image = inputs_of(workload(photos, seed=0), photos)[0]["multi_modal_data"]["image"]
+    assert isinstance(image, JpegImagePlugin.JpegImageFile) and image.size == peers.PHOTO_SIZE
+    with pytest.raises(ValueError, match=r"shape: got 'qwen2-vl-7b'; expected one of \('toy', 'qwen2-vl-2b'\)"):
+        peers.workload_spec("decode-heavy", "float32", shape="qwen2-vl-7b")
