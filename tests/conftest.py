@@ -195,3 +195,18 @@ def assert_generate_matches_hf(llm, path, inputs, refs, max_tokens, cache_key=No
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == ref, f"inputs[{i}]"
     return outs
+
+
+def blocks_held_while_decoding(llm) -> tuple[int, int]:
+    """Step `llm`'s engine until its requests end: (the most KV blocks held at once after the
+    first step, the number of steps). The first step is the prompt's, which holds all of its
+    blocks; a sliding-window model then holds only the blocks its window reads."""
+    engine = llm.llm_engine
+    held_max, steps = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        metrics = llm.get_metrics()
+        if steps > 1:
+            held_max = max(held_max, metrics["kv_blocks_total"] - metrics["kv_blocks_free"])
+    return held_max, steps

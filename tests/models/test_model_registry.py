@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hf_greedy, make_image
+from conftest import blocks_held_while_decoding, hf_greedy, make_image
 from mmkit import LLM, ModelRegistry, SamplingParams
 
 PROMPT = "USER: <image>\nWhat is in the image? ASSISTANT:"
@@ -182,13 +182,7 @@ def test_plugin_family_declares_a_sliding_window_the_engine_honours(tmp_path, pl
     engine = llm.llm_engine
     engine.add_request("long", {"prompt": prompts[0], "multi_modal_data": {"image": images[0]}},
                        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    held_max, steps = 0, 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        metrics = llm.get_metrics()
-        if steps > 1:  # decoding (the prompt's own step holds all of its blocks)
-            held_max = max(held_max, metrics["kv_blocks_total"] - metrics["kv_blocks_free"])
+    held_max, steps = blocks_held_while_decoding(llm)
     assert steps >= 200 and 0 < held_max <= math.ceil(window / block_size) + 1
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import hf_greedy
+from conftest import blocks_held_while_decoding, hf_greedy
 from mmkit import LLM, SamplingParams
 from mmkit.layers import cpu_kernels
 from mmkit.layers.attention import AttentionMetadata, build_decode_metadata, decode_attention_torch, kv_cache_shape
@@ -102,13 +102,7 @@ def test_all_sliding_model_holds_window_blocks_while_decoding(mistral_window32):
     engine.add_request("long", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=500,
                                                                        ignore_eos=True))
     bound = math.ceil(window / block_size) + 1
-    held_max, steps = 0, 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        metrics = llm.get_metrics()
-        if steps > 1:  # decoding (the prompt's own step holds all of its blocks)
-            held_max = max(held_max, metrics["kv_blocks_total"] - metrics["kv_blocks_free"])
+    held_max, steps = blocks_held_while_decoding(llm)
     assert steps >= 500 and 0 < held_max <= bound
 
 
