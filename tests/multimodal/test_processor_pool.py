@@ -8,8 +8,8 @@ import gc
 import os
 import re
 import signal
-import time
 
+import psutil
 import pytest
 import torch
 
@@ -61,21 +61,24 @@ def token_ids(outs):
 
 
 def wait_gone(pids, timeout=60.0):
-    """Poll until none of `pids` is a live child process; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive:
-            return
-        assert time.monotonic() < deadline, f"worker processes {alive} still alive"
-        time.sleep(0.02)
+    """Wait (bounded) until none of `pids` runs. The workers are the fork server's children,
+    not this process's, so `os.waitpid` cannot see them: psutil waits on any process, and an
+    exited worker its parent has not reaped yet (a zombie) counts as gone."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    running = [p.pid for p in alive if _running(p)]
+    assert not running, f"worker processes {running} still alive after {timeout} s"
 
 
-def _alive(pid):
+def _running(proc) -> bool:
     try:
-        done, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it exited (a child of this process)
-        return done == 0
-    except ChildProcessError:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
