@@ -3,7 +3,8 @@
 float32), per row count. `--layers` distinct copies of each weight, so that they come from memory
 as in a real step; milliseconds for one pass over all of them, median of `--repeats`.
 
-    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/panel_gemm.py [--rows 1 4 16 128 512] [--threads 2]
+    OMP_WAIT_POLICY=PASSIVE nice python benchmarks/panel_gemm.py [--rows 1 4 16 128 512] [--threads 2] \
+        [--shape toy|qwen2-vl-2b] [--dtype bfloat16 float32] [--layers 6]
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import torch.nn.functional as F
 
 from mmkit.layers import linear_panels
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+# (out, in) of each decoder linear, per --shape: the benchmark LLaVA's (benchmarks/bench_model.py)
+# and Qwen2-VL-2B's (fused qkv 2048x1536, o 1536x1536, fused gate/up 17920x1536, down 1536x8960).
+SHAPE_SETS = {
+    "toy": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "qwen2-vl-2b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
+}
+SHAPES = SHAPE_SETS["toy"]
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -59,11 +66,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shape", choices=sorted(SHAPE_SETS), default="toy")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], nargs="+", default=["bfloat16", "float32"])
     args = p.parse_args()
+    global SHAPES
+    SHAPES = SHAPE_SETS[args.shape]
     torch.set_num_threads(args.threads)
     if not linear_panels.available():
         sys.exit("the panel kernels are not available on this CPU/build (AVX512-BF16 or AVX2+FMA needed)")
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (getattr(torch, d) for d in args.dtype):
         compare(dtype, args.rows, args.layers, args.repeats)
 
 

@@ -66,6 +66,10 @@ class Linear(nn.Linear):
     _run_panels = None  # linear_panels.bind(...) when `_packed` holds panels (else oneDNN's layout)
     _onednn: torch.Tensor | None = None  # oneDNN's packed copy beside the panels (AMX CPUs)
     _panel_max_rows: int | None = None  # rows above which `_onednn` runs
+    # A fused gate/up projection of a SiLU MLP ([gate | up]) sets this to the intermediate size
+    # (LlamaMLP.fuse_weights): `pack()` then also binds the GEMM with SiLU-mul in its epilogue.
+    silu_mul_inter: int | None = None
+    _run_silu_mul = None
 
     @property
     def _panels(self) -> bool:
@@ -76,11 +80,13 @@ class Linear(nn.Linear):
         """`release_weight`: drop the row-major weight once packed (the packed copy is the
         only one then: half the resident weight memory). Not for a weight shared with
         another module (a tied LM head)."""
-        self._run_panels, self._onednn, self._panel_max_rows = None, None, None
+        self._run_panels, self._onednn, self._panel_max_rows, self._run_silu_mul = None, None, None, None
         linear_panels.bump_generation()
         if envs.MMKIT_PACKED_LINEAR and linear_panels.can_pack(self.weight):
             self._packed = linear_panels.pack(self.weight.detach())
             self._run_panels = linear_panels.bind(self._packed, self.out_features, self.bias)
+            if self.silu_mul_inter:
+                self._run_silu_mul = linear_panels.bind_silu_mul(self._packed, self.silu_mul_inter, self.bias)
             if self.weight.dtype == torch.bfloat16 and linear_panels.BF16_MAX_ROWS is not None \
                     and can_pack_for_onednn(self.weight):
                 # AMX: oneDNN's tiles are far faster above a few rows (linear_panels.BF16_MAX_ROWS)
@@ -91,6 +97,17 @@ class Linear(nn.Linear):
                 if can_pack_for_onednn(self.weight) else None
         if self._packed is not None and release_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu(gate) * up` of this fused gate/up projection in one pass over the panels
+        (`silu_mul_inter`), bit-identical to `forward` then the SiLU-mul kernel; None where the
+        fused kernel does not take x (then the caller runs the two passes)."""
+        run = self._run_silu_mul
+        if (run is None or x.dtype is not self._packed.dtype or x.dim() != 2 or not x.is_cpu
+                or x.shape[1] != self.in_features or x.stride(1) != 1
+                or (self._onednn is not None and x.shape[0] > self._panel_max_rows)):
+            return None
+        return run(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, run = self._packed, self._run_panels
@@ -205,11 +222,17 @@ class LlamaMLP(nn.Module):
     @torch.no_grad()
     def fuse_weights(self) -> None:
         self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        if self.is_silu and type(self.gate_up_proj) is Linear:
+            self.gate_up_proj.silu_mul_inter = self.intermediate_size
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # absent under a LoRA wrapper
+        act = silu_mul(x) if silu_mul is not None else None
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.is_silu and gate_up.is_cpu and (gate_up.dtype is torch.bfloat16 or gate_up.dtype is torch.float32):
             # one pass instead of split, silu, then mul

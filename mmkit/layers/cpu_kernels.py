@@ -158,6 +158,8 @@ _SIGNATURES = {
     "mmkit_dense_gemv_f32": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT], None),
     "mmkit_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
     "mmkit_panel_gemm_available": ([], _INT),
+    "mmkit_panel_gemm_silu_mul": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
+    "mmkit_panel_gemm_silu_mul_available": ([], _INT),
     "mmkit_panel_f32_halves": ([], _INT),
     "mmkit_quant_panel_gemm_available": ([], _INT),
     "mmkit_quant_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR, _I64,

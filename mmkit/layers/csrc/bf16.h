@@ -52,6 +52,17 @@ static inline float exp_clamped(float x) {
     return out;
 }
 
+/* One element of SiLU(gate) * up, for the elementwise kernels (elementwise_cpu.c,
+ * elementwise_f32_cpu.c), whose row functions the gate/up GEMM's fused epilogue calls too.
+ * bf16 follows transformers' rounding: silu(gate) is a bf16 tensor before the product. */
+static inline uint16_t silu_mul_bf16_elem(uint16_t gate, uint16_t up) {
+    const float x = bf16_to_f32(gate);
+    const float act = round_bf16(x / (1.0f + exp_clamped(-x)));
+    return f32_to_bf16(act * bf16_to_f32(up));
+}
+
+static inline float silu_mul_f32_elem(float gate, float up) { return (gate / (1.0f + exp_clamped(-gate))) * up; }
+
 /* exp_clamped in vectors of one width: the same clamp, fused multiply-adds and exponent bits
  * (gcc fuses the scalar one's multiply-adds likewise), so each lane equals exp_clamped's result.
  * MMKIT_DEFINE_EXP_VEC(exp512, __m512, __m512i, _mm512, si512) defines __m512 exp512(__m512);

@@ -16,7 +16,8 @@
  *   qkv = h @ Wqkv^T (+ b); rotate q and k in place; write k, v into the paged cache
  *   a = paged_attention(q, cache) @ Wo^T (+ b)   (decode rows, or rows in tiles with prefill)
  *   h = rms_norm(a + residual), residual = a + residual (in a)
- *   m = silu_mul(h @ Wgate_up^T) @ Wdown^T
+ *   m = silu_mul(h @ Wgate_up^T) @ Wdown^T   (SiLU-mul in the gate/up GEMM's epilogue where it can
+ *                                            run: linear_panels_cpu.c, the same bits)
  * then out = rms_norm(m + residual) with the final norm's weight.
  */
 #include <stdint.h>
@@ -49,6 +50,8 @@ int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, c
                                int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads);
 int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      const void *panels, const void *bias, int dtype, int nthreads);
+int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
+                              const void *panels, const void *bias, int dtype, int nthreads);
 int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                            const uint8_t *q, int bits, const float *scales, const void *zeros, int64_t group_size,
                            const uint16_t *bias, int64_t direct_max_rows, int nthreads);
@@ -177,9 +180,16 @@ int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void 
         rms_norm(s, h, a, residual, L->post_norm, 1); /* a becomes the residual stream */
         residual = a;
         turn ^= 1;
-        if ((st = linear(gate_up, h, &L->gate_up, s)) != 0) return st;
-        if (s->dtype == MMKIT_BF16) mmkit_silu_mul_bf16((uint16_t *)act, (const uint16_t *)gate_up, T, s->inter, s->num_threads);
-        else mmkit_silu_mul_f32((float *)act, (const float *)gate_up, T, s->inter, s->num_threads);
+        /* dense panels without an adapter on gate/up: SiLU-mul in the GEMM's epilogue (returns 1
+         * where it cannot run: AVX2 build, inter not a multiple of 32); else the two passes */
+        if (L->gate_up.bits != 0 || (s->lora_slots && L->gate_up.lora) ||
+            mmkit_panel_gemm_silu_mul(act, h, L->gate_up.k, T, L->gate_up.k, s->inter, L->gate_up.weights,
+                                      L->gate_up.bias, s->dtype, s->num_threads) != 0) {
+            if ((st = linear(gate_up, h, &L->gate_up, s)) != 0) return st;
+            if (s->dtype == MMKIT_BF16)
+                mmkit_silu_mul_bf16((uint16_t *)act, (const uint16_t *)gate_up, T, s->inter, s->num_threads);
+            else mmkit_silu_mul_f32((float *)act, (const float *)gate_up, T, s->inter, s->num_threads);
+        }
         if ((st = linear(bufs[turn], act, &L->down, s)) != 0) return st;
     }
     *failed_layer = -1;

@@ -106,10 +106,13 @@ void mmkit_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t num_tok
         const uint16_t *u = g + inter;
         uint16_t *o = out + t * inter;
 #pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float x = bf16_to_f32(g[i]);
-            const float act = round_bf16(x / (1.0f + exp_clamped(-x)));
-            o[i] = f32_to_bf16(act * bf16_to_f32(u[i]));
-        }
+        for (int64_t i = 0; i < inter; i++) o[i] = silu_mul_bf16_elem(g[i], u[i]);
     }
+}
+
+/* One row of mmkit_silu_mul_bf16 from separate gate and up arrays, for the gate/up GEMM's fused
+ * epilogue (linear_panels_cpu.c): compiled here, with the unfused pass's flags, so the same bits. */
+void mmkit_silu_mul_bf16_row(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = silu_mul_bf16_elem(gate[i], up[i]);
 }

@@ -84,6 +84,14 @@ void mmkit_silu_mul_f32(float *out, const float *gate_up, int64_t num_tokens, in
         const float *u = g + inter;
         float *o = out + t * inter;
 #pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + exp_clamped(-g[i]))) * u[i];
+        for (int64_t i = 0; i < inter; i++) o[i] = silu_mul_f32_elem(g[i], u[i]);
     }
+}
+
+/* One row of mmkit_silu_mul_f32 from separate gate and up arrays. The gate/up GEMM's fused
+ * epilogue (linear_panels_cpu.c) calls it so that its SiLU is compiled here, with this file's
+ * rounding (fp-contract off): its output is the same bits as the unfused pass. */
+void mmkit_silu_mul_f32_row(float *out, const float *gate, const float *up, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = silu_mul_f32_elem(gate[i], up[i]);
 }

@@ -137,6 +137,116 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
         }
     }
 }
+
+/* SiLU(gate) * up fused into the gate/up GEMM's epilogue (issue 52 item 2). The fused gate/up
+ * projection's panels hold gate's columns then up's ([gate | up], models/llama.py), so when
+ * `inter` is a multiple of 32, gate panel p and up panel P_g + p cover the same columns: one
+ * pass over both keeps 4 accumulators per row of x (MMKIT_MR_SILU rows: 24 of the 32 zmm
+ * registers) and writes only the activation [M, inter]. The unfused path wrote gate_up
+ * [M, 2 inter], read it back, and at decode's row counts ran that pass on one thread (below
+ * elementwise_cpu.c's parallel threshold) while the other waited; here each thread finishes
+ * its own columns. Bit-identical to GEMM then mmkit_silu_mul_*: the same float32 sums in the
+ * same order, the same rounding to the output dtype, then the unfused pass's own row function
+ * (elementwise_*cpu.c: compiled there, with that file's floating-point flags). */
+#define MMKIT_MR_SILU 6
+void mmkit_silu_mul_bf16_row(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t n);
+void mmkit_silu_mul_f32_row(float *out, const float *gate, const float *up, int64_t n);
+MMKIT_INLINE void silu_rows_bf16(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t xs, const int R,
+                                 const uint16_t *pg, const uint16_t *pu, int64_t Kp, const uint16_t *bg,
+                                 const uint16_t *bu) {
+    __m512 acc[MMKIT_MR_SILU][4];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < Kp; ++kp) {
+        _mm_prefetch((const char *)(pg + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pg + kp * 64) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pu + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pu + kp * 64) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+        const __m512bh g0 = (__m512bh)_mm512_loadu_si512(pg + kp * 64);
+        const __m512bh g1 = (__m512bh)_mm512_loadu_si512(pg + kp * 64 + 32);
+        const __m512bh u0 = (__m512bh)_mm512_loadu_si512(pu + kp * 64);
+        const __m512bh u1 = (__m512bh)_mm512_loadu_si512(pu + kp * 64 + 32);
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            __builtin_memcpy(&pair, x + r * xs + 2 * kp, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, g0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, g1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, u0);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, u1);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float v[2 * MMKIT_PANEL];
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(v + 16 * j, acc[r][j]);
+        uint16_t g[MMKIT_PANEL], u[MMKIT_PANEL];
+        for (int c = 0; c < MMKIT_PANEL; ++c) {
+            g[c] = f32_to_bf16(bg ? v[c] + bf16_to_f32(bg[c]) : v[c]);
+            u[c] = f32_to_bf16(bu ? v[MMKIT_PANEL + c] + bf16_to_f32(bu[c]) : v[MMKIT_PANEL + c]);
+        }
+        mmkit_silu_mul_bf16_row(out + r * out_stride, g, u, MMKIT_PANEL);
+    }
+}
+
+MMKIT_INLINE void silu_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
+                                const float *pg, const float *pu, int64_t K, const float *bg, const float *bu) {
+    __m512 acc[MMKIT_MR_SILU][4];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        _mm_prefetch((const char *)(pg + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pg + k * 32) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pu + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(pu + k * 32) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
+        const __m512 g0 = _mm512_loadu_ps(pg + k * 32), g1 = _mm512_loadu_ps(pg + k * 32 + 16);
+        const __m512 u0 = _mm512_loadu_ps(pu + k * 32), u1 = _mm512_loadu_ps(pu + k * 32 + 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512 xb = _mm512_set1_ps(x[r * xs + k]);
+            acc[r][0] = _mm512_fmadd_ps(xb, g0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, g1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, u0, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, u1, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float v[2 * MMKIT_PANEL];
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(v + 16 * j, acc[r][j]);
+        if (bg)
+            for (int c = 0; c < 2 * MMKIT_PANEL; ++c) v[c] += c < MMKIT_PANEL ? bg[c] : bu[c - MMKIT_PANEL];
+        mmkit_silu_mul_f32_row(out + r * out_stride, v, v + MMKIT_PANEL, MMKIT_PANEL);
+    }
+}
+
+#define MMKIT_SILU_ROWS(FN, o, xm, R, ...)                \
+    switch (R) {                                           \
+    case 6: FN(o, inter, xm, xs, 6, __VA_ARGS__); break;   \
+    case 5: FN(o, inter, xm, xs, 5, __VA_ARGS__); break;   \
+    case 4: FN(o, inter, xm, xs, 4, __VA_ARGS__); break;   \
+    case 3: FN(o, inter, xm, xs, 3, __VA_ARGS__); break;   \
+    case 2: FN(o, inter, xm, xs, 2, __VA_ARGS__); break;   \
+    default: FN(o, inter, xm, xs, 1, __VA_ARGS__); break;  \
+    }
+
+/* Rows [m0, m1) of x against gate panel p and its up panel; out [M, inter]. */
+static void silu_block(void *out, int64_t inter, const void *x, int64_t xs, int64_t m0, int64_t m1,
+                       const void *panels, int64_t K, const void *bias, int64_t p, int dtype) {
+    const int64_t pu_index = inter / MMKIT_PANEL + p, n0 = p * MMKIT_PANEL;
+    for (int64_t m = m0; m < m1; m += MMKIT_MR_SILU) {
+        const int R = m1 - m < MMKIT_MR_SILU ? (int)(m1 - m) : MMKIT_MR_SILU;
+        if (dtype == 1) {
+            const uint16_t *pw = (const uint16_t *)panels, *b = (const uint16_t *)bias;
+            uint16_t *o = (uint16_t *)out + m * inter + n0;
+            const uint16_t *xm = (const uint16_t *)x + m * xs;
+            MMKIT_SILU_ROWS(silu_rows_bf16, o, xm, R, pw + p * K * MMKIT_PANEL, pw + pu_index * K * MMKIT_PANEL, K / 2,
+                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL)
+        } else {
+            const float *pw = (const float *)panels, *b = (const float *)bias;
+            float *o = (float *)out + m * inter + n0;
+            const float *xm = (const float *)x + m * xs;
+            MMKIT_SILU_ROWS(silu_rows_f32, o, xm, R, pw + p * K * MMKIT_PANEL, pw + pu_index * K * MMKIT_PANEL, K,
+                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL)
+        }
+    }
+}
+#undef MMKIT_SILU_ROWS
 #endif
 
 #ifdef MMKIT_P_AVX2
@@ -379,6 +489,44 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)dtype;
     (void)nthreads;
     return 1;
+#endif
+}
+
+/* out [M, inter] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), rounded as mmkit_panel_gemm followed
+ * by mmkit_silu_mul_bf16 / _f32 round (bit-identical), for the fused gate/up projection's
+ * panels (N = 2 inter outputs, gate's columns first) and bias [2 inter] or NULL. Returns 0; 1
+ * when this build has no fused kernel (AVX2 builds: the caller runs the two passes) or `inter`
+ * is not a multiple of 32 (an up panel would start inside a gate panel). */
+int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
+                              const void *panels, const void *bias, int dtype, int nthreads) {
+#if defined(MMKIT_P_BF16DP)
+    if (inter % MMKIT_PANEL != 0 || inter <= 0) return 1;
+    const int64_t P = inter / MMKIT_PANEL;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
+        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
+                silu_block(out, inter, x, x_stride, c0, c1, panels, K, bias, p, dtype);
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)inter; (void)panels; (void)bias; (void)dtype;
+    (void)nthreads;
+    return 1;
+#endif
+}
+
+/* 1 when this build has mmkit_panel_gemm_silu_mul's fused kernel (AVX512-BF16 builds). */
+int mmkit_panel_gemm_silu_mul_available(void) {
+#if defined(MMKIT_P_BF16DP)
+    return 1;
+#else
+    return 0;
 #endif
 }
 
