@@ -157,3 +157,87 @@ def test_panel_gemm_rows_do_not_depend_on_their_batch(dtype, n, with_bias):
     for i in (0, 1, 5, 77, 78, 150, 300):
         assert torch.equal(linear_panels.gemm(x[i:i + 1], panels, n, b)[0], batched[i]), i
     assert torch.equal(linear_panels.gemm(x[3:10], panels, n, b), batched[3:10])
+
+
+needs_fused_silu = pytest.mark.skipif(
+    cpu_kernels.library() is None or not cpu_kernels.library().mmkit_panel_gemm_silu_mul_available(),
+    reason="the fused SiLU-mul GEMM needs the AVX512-BF16 panel kernels")
+
+
+def _silu_mul_two_passes(x, panels, inter, b):
+    """The unfused path: the gate/up GEMM, then the SiLU-mul kernel on its output."""
+    gate_up = linear_panels.gemm(x, panels, 2 * inter, b)
+    if x.dtype == torch.bfloat16:
+        return cpu_kernels.silu_mul_bf16(gate_up)
+    from mmkit.layers import fused_f32
+    return fused_f32.silu_mul(gate_up)
+
+
+@needs_fused_silu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter,k,with_bias", [(32, 2, True), (64, 96, False), (96, 598, True), (320, 576, False)])
+def test_fused_silu_mul_is_bit_identical_to_the_two_passes(dtype, inter, k, with_bias):
+    """The gate/up GEMM with SiLU-mul in its epilogue gives the same bits as the GEMM followed by
+    the SiLU-mul kernel, at every row count (1-6 rows per block, partial blocks, several
+    256-row chunks, strided rows), with and without bias; and close to silu(gate) * up in
+    float64 (so the two passes are not merely equal to each other)."""
+    w = (0.1 * torch.randn(2 * inter, k, generator=_gen(31))).to(dtype)
+    b = (0.5 * torch.randn(2 * inter, generator=_gen(32))).to(dtype) if with_bias else None
+    panels = linear_panels.pack(w)
+    fused = linear_panels.bind_silu_mul(panels, inter, b)
+    assert fused is not None
+    x_all = torch.randn(301, k + 6, generator=_gen(33)).to(dtype)[:, :k]  # strided rows
+    for m in (1, 5, 6, 7, 13, 256, 257, 301):
+        x = x_all[:m]
+        got = fused(x)
+        assert got.shape == (m, inter) and got.dtype == dtype
+        assert torch.equal(got, _silu_mul_two_passes(x, panels, inter, b)), m
+    gate_up = F.linear(x_all.double(), w.double(), None if b is None else b.double())
+    ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_fused_silu
+def test_fused_silu_mul_refuses_what_it_cannot_run():
+    """An up panel must start on a panel boundary (inter a multiple of 32) and the panels must be
+    a [gate | up] pair of that width: otherwise None, and the caller runs the two passes."""
+    w = torch.randn(2 * 40, 64, generator=_gen(34)).bfloat16()
+    assert linear_panels.bind_silu_mul(linear_panels.pack(w), 40, None) is None
+    w = torch.randn(2 * 64, 64, generator=_gen(35)).bfloat16()
+    assert linear_panels.bind_silu_mul(linear_panels.pack(w), 32, None) is None  # not [gate | up] of 32
+    assert linear_panels.bind_silu_mul(linear_panels.pack(w), 64, None) is not None
+
+
+@needs_fused_silu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [64, 40])
+def test_llama_mlp_runs_silu_mul_in_the_gemm_epilogue(monkeypatch, dtype, inter):
+    """LlamaMLP takes the fused kernel when its width allows (64) and the two passes otherwise
+    (40); both give the unfused path's bits."""
+    from types import SimpleNamespace
+
+    from mmkit.layers import fused_f32
+    from mmkit.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=48, intermediate_size=inter, hidden_act="silu", mlp_bias=False)
+    mlp = LlamaMLP(cfg).to(dtype)
+    x = torch.randn(9, 48, generator=_gen(36)).to(dtype)
+    mlp.fuse_weights()
+    for m in mlp.modules():
+        if isinstance(m, Linear):
+            m.pack()
+    gate_up = mlp.gate_up_proj(x)
+    act = cpu_kernels.silu_mul_bf16(gate_up) if dtype == torch.bfloat16 else fused_f32.silu_mul(gate_up)
+    two_passes = mlp.down_proj(act)
+    fused_runs, kernel_calls = [], []
+    real_fused, real_kernel = mlp.gate_up_proj._run_silu_mul, cpu_kernels.silu_mul_bf16
+    assert (real_fused is not None) == (inter % 32 == 0)
+    if real_fused is not None:
+        monkeypatch.setattr(mlp.gate_up_proj, "_run_silu_mul", lambda x: fused_runs.append(x.shape[0]) or real_fused(x))
+    monkeypatch.setattr(cpu_kernels, "silu_mul_bf16", lambda g: kernel_calls.append(g.shape[0]) or real_kernel(g))
+    assert torch.equal(mlp(x), two_passes)
+    assert fused_runs == ([9] if inter % 32 == 0 else [])
+    # the two passes ran only where the fused kernel could not (bf16's SiLU-mul kernel counted)
+    assert kernel_calls == ([9] if inter % 32 and dtype == torch.bfloat16 else [])
