@@ -45,7 +45,7 @@ one that is off by default is on for any value but "" and "0" (how they have alw
 | MMKIT_BACKEND_PACKED_LINEAR| 1              | the transformers backend's linears on mmkit's packed `Linear`    |
 | MMKIT_GEMV_MAX_ROWS        | 16             | float32 rows up to which `Linear` runs the C GEMV (0: never)     |
 | MMKIT_PAGED_PREFILL        | 1              | the paged prefill attention kernel (0: one SDPA call per chunk)  |
-| MMKIT_KV_HUGEPAGES         | 0              | back the CPU KV cache with huge pages                            |
+| MMKIT_KV_HUGEPAGES         | 0              | back a lazy CPU KV cache with huge pages too (a preallocated one always is) |
 """
 
 from __future__ import annotations

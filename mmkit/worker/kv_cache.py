@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -66,7 +67,13 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
     # see mmkit/layers/attention.py). Zero-filled: padded positions are masked, and a zero
     # (never NaN) value times a zero weight keeps the output finite.
     shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    zeros = _lazy_zeros if model.device.type == "cpu" else torch.zeros
+    zeros = torch.zeros
+    if model.device.type == "cpu":
+        # A preallocated cache commits every page at start-up anyway, so 2 MiB pages cost no
+        # memory there; they spare the decode attention a TLB miss (a page walk, nested in a
+        # VM) on nearly every block it reads, the blocks being scattered over GBs (issue 52).
+        hugepages = envs.MMKIT_KV_HUGEPAGES or preallocate
+        zeros = functools.partial(_lazy_zeros, hugepages=hugepages)
     kv_layers = set(kv_layer_ids(model))
     none = torch.empty(0, dtype=model.dtype, device=model.device)  # a hybrid's state layer: no KV
     caches = [
@@ -86,7 +93,8 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
     return caches
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                hugepages: bool = False) -> torch.Tensor:
     """Zeros whose pages become resident only when written (CPU).
 
     `torch.zeros` memsets the whole cache at start-up, so the process holds the full KV
@@ -98,8 +106,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     NOTE: numpy advises transparent huge pages for large arrays; then a write commits 2 MiB,
     not 4 KiB. A block is 1 KiB per head and layer in the heads-first layout, so every block
     in use pinned a 2 MiB page per (head, layer, K/V): on the 30-layer benchmark the decode-
-    heavy run held ~300 MB more than its blocks. The cache is allocated without that advice
-    (MMKIT_KV_HUGEPAGES=1 keeps numpy's default, for A/B measurements).
+    heavy run held ~300 MB more than its blocks. A lazy cache is allocated without that advice
+    (`hugepages` False); a preallocated one, whose every page is committed at once, with it.
 
     NOTE: only a tensor past glibc's mmap threshold is sure to be lazy. The threshold rises
     (up to 32 MiB) as the process frees large blocks, and a smaller calloc may then reuse heap
@@ -111,7 +119,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     numel = 1
     for n in shape:
         numel *= n
-    with _numpy_hugepages(envs.MMKIT_KV_HUGEPAGES):
+    with _numpy_hugepages(hugepages):
         storage = np.zeros(numel, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[elem])
     return torch.from_numpy(storage).view(dtype).view(shape)
 

@@ -98,6 +98,11 @@ def test_preallocated_kv_cache_is_resident_and_zero():
     caches = allocate_kv_caches(model, num_blocks=8192, block_size=16, preallocate=True)
     assert all(_resident_fraction(c) == 1.0 for pair in caches for c in pair)
     assert len(caches) == 2 and all(not c.any() for pair in caches for c in pair)
+    # every page is committed anyway, so the cache is advised huge pages (fewer TLB misses for
+    # the decode attention's scattered blocks); a lazy cache is not (above)
+    assert all("hg" in _vm_flags(c.data_ptr() + c.nbytes // 2) for pair in caches for c in pair)
+    assert all("hg" not in _vm_flags(c.data_ptr() + c.nbytes // 2)
+               for pair in allocate_kv_caches(model, num_blocks=8192, block_size=16) for c in pair)
     assert caches[0][0].shape == (2, 8192, 16, 64)
 
 
