@@ -247,6 +247,25 @@ static void silu_block(void *out, int64_t inter, const void *x, int64_t xs, int6
     }
 }
 #undef MMKIT_SILU_ROWS
+
+/* The AVX512-BF16 driver: P panels (or gate/up panel pairs) split into contiguous runs over the
+ * threads, MMKIT_M_CHUNK rows of x per pass; `block` does rows [m0, m1) of one panel, writing
+ * the `N` columns of out's rows. */
+typedef void (*panel_block_fn)(void *out, int64_t N, const void *x, int64_t xs, int64_t m0, int64_t m1,
+                               const void *panels, int64_t K, const void *bias, int64_t p, int dtype);
+static void run_blocks(panel_block_fn block, int64_t P, void *out, int64_t N, const void *x, int64_t xs, int64_t M,
+                       const void *panels, int64_t K, const void *bias, int dtype, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
+        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p) block(out, N, x, xs, c0, c1, panels, K, bias, p, dtype);
+        }
+    }
+}
 #endif
 
 #ifdef MMKIT_P_AVX2
@@ -472,18 +491,7 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
 #if defined(MMKIT_P_AVX2)
     return a2_gemm(out, x, x_stride, M, K, N, panels, bias, dtype, nthreads);
 #elif defined(MMKIT_P_BF16DP)
-    const int64_t P = (N + MMKIT_PANEL - 1) / MMKIT_PANEL;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > P) nthreads = (int)P;
-    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
-        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
-                panel_block(out, N, x, x_stride, c0, c1, panels, K, bias, p, dtype);
-        }
-    }
+    run_blocks(panel_block, (N + MMKIT_PANEL - 1) / MMKIT_PANEL, out, N, x, x_stride, M, panels, K, bias, dtype, nthreads);
     return 0;
 #else
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)dtype;
@@ -501,18 +509,7 @@ int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_
                               const void *panels, const void *bias, int dtype, int nthreads) {
 #if defined(MMKIT_P_BF16DP)
     if (inter % MMKIT_PANEL != 0 || inter <= 0) return 1;
-    const int64_t P = inter / MMKIT_PANEL;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > P) nthreads = (int)P;
-    for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
-        const int64_t c1 = c0 + MMKIT_M_CHUNK < M ? c0 + MMKIT_M_CHUNK : M;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
-                silu_block(out, inter, x, x_stride, c0, c1, panels, K, bias, p, dtype);
-        }
-    }
+    run_blocks(silu_block, inter / MMKIT_PANEL, out, inter, x, x_stride, M, panels, K, bias, dtype, nthreads);
     return 0;
 #else
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)inter; (void)panels; (void)bias; (void)dtype;
