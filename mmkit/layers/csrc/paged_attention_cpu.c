@@ -227,10 +227,12 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     }
 }
 
-/* Ask for the cache lines of rows [t0, t0 + n) ahead of use (into L2: L1 prefetches of a
- * whole block at once stalled on the line-fill buffers). Blocks sit at random places in
+/* Ask for the cache lines of rows [t0, t0 + n) ahead of use. Blocks sit at random places in
  * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
- * kernel's time was spent waiting on the first loads of each block. */
+ * kernel's time was spent waiting on the first loads of each block. PREFETCHT0: on Zen 5 the
+ * PREFETCHT1 used before read K/V from DRAM 25-40% slower than T0 within the kernel, and in a
+ * plain read of scattered 2 KiB blocks it was slower than no prefetch at all
+ * (benchmarks/results/2026-12-07-decode-attention-dram/). */
 static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
                                                                   int64_t n, int64_t first_block_row,
                                                                   int64_t block_size, int64_t row_bytes) {
@@ -238,7 +240,7 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *cac
     for (int64_t i = 0; i < n;) {
         const int64_t run = n - i < block_size - off ? n - i : block_size - off; /* rows left in block b */
         const char *start = (const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes;
-        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) __builtin_prefetch(start + byte, 0, 2); /* prefetcht1 on x86 */
+        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) __builtin_prefetch(start + byte, 0, 3);
         i += run;
         off = 0;
         b++;
@@ -394,11 +396,26 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
  * 8-14% faster than 1 (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf"
  * against "pv"); from cache it made no difference. */
 #define MMKIT_DECODE_AHEAD 4
+/* ... and, twice as far ahead, one line of the block (chunk) to come: its page's translation
+ * is walked and its first line requested while the nearer blocks are still arriving, so the
+ * full prefetch of that block, MMKIT_DECODE_AHEAD steps later, no longer waits on a TLB miss.
+ * Blocks are scattered over the whole pool, so nearly every block starts on a page the TLB
+ * has not seen. From DRAM, bf16, one thread: 6-8 read 1.3-1.45x faster than none (with
+ * PREFETCHT0), 12-16 less; from cache level or slightly faster. */
+#define MMKIT_DECODE_TOUCH (2 * MMKIT_DECODE_AHEAD)
+
+/* One line of context row t (see MMKIT_DECODE_TOUCH). */
+static inline __attribute__((always_inline)) void touch_row(const void *cache, const int64_t *table, int64_t t,
+                                                             int64_t first_block_row, int64_t block_size,
+                                                             int64_t row_bytes) {
+    const int64_t b = t / block_size, off = t % block_size;
+    __builtin_prefetch((const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes, 0, 3);
+}
 
 /* Context rows of one KV head in order, from row `start`: `row` is the current row, and each
- * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use
- * (prefetch_chunk's reasoning: blocks sit at random places, so the hardware prefetcher cannot
- * guess them). */
+ * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use and
+ * touches the one MMKIT_DECODE_TOUCH ahead (prefetch_chunk's reasoning: blocks sit at random
+ * places, so the hardware prefetcher cannot guess them). */
 typedef struct {
     const char *row;
     const char *cache;
@@ -409,7 +426,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_block(const RowWalk *w, int64_t b) {
     if (b > w->last_block) return;
     const char *at = w->cache + (w->first_row + w->table[b]) * w->block_size * w->row_bytes;
-    for (int64_t byte = 0; byte < w->block_size * w->row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+    for (int64_t byte = 0; byte < w->block_size * w->row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 3);
 }
 
 static inline __attribute__((always_inline)) RowWalk row_walk(const void *cache, const int64_t *table, int64_t start,
@@ -432,6 +449,9 @@ static inline __attribute__((always_inline)) void row_next(RowWalk *w) {
     if (++w->b > w->last_block) return;
     w->row = w->cache + (w->first_row + w->table[w->b]) * w->block_size * w->row_bytes;
     prefetch_block(w, w->b + MMKIT_DECODE_AHEAD);
+    if (w->b + MMKIT_DECODE_TOUCH <= w->last_block)
+        __builtin_prefetch(w->cache + (w->first_row + w->table[w->b + MMKIT_DECODE_TOUCH]) * w->block_size * w->row_bytes,
+                           0, 3);
 }
 
 /* P V of H (<= 6) query heads of a float32 item over its context rows [start, len) read in
@@ -670,6 +690,9 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
             prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
             v_asked = 1;
         }
+        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH; /* past K's end: V's rows from `start` */
+        if (far < len) touch_row(kc, table, far, first_row, p->block_size, row_bytes);
+        else if (far - len + start < len) touch_row(vc, table, far - len + start, first_row, p->block_size, row_bytes);
         chunk_slots(slots, table, t0, n, first_row, p->block_size);
         /* heads 4 at a time (head dim 64; a last 3 together too) or 2 (128: their query
          * registers), the rest one by one */
