@@ -391,17 +391,18 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
     }
 }
 
-/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V, and the
- * float32 item's V) or 16-row chunks (the bf16 item's K). With K/V coming from DRAM, 4 read
- * 8-14% faster than 1 (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf"
- * against "pv"); from cache it made no difference. */
+/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V) or 16-row
+ * chunks (K). With K/V coming from DRAM, 4 read 8-14% faster than 1
+ * (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf" against "pv"); from
+ * cache it made no difference. The float32 item's K went 1 chunk ahead until 2026-12-07. */
 #define MMKIT_DECODE_AHEAD 4
 /* ... and, twice as far ahead, one line of the block (chunk) to come: its page's translation
  * is walked and its first line requested while the nearer blocks are still arriving, so the
- * full prefetch of that block, MMKIT_DECODE_AHEAD steps later, no longer waits on a TLB miss.
- * Blocks are scattered over the whole pool, so nearly every block starts on a page the TLB
- * has not seen. From DRAM, bf16, one thread: 6-8 read 1.3-1.45x faster than none (with
- * PREFETCHT0), 12-16 less; from cache level or slightly faster. */
+ * full prefetch of that block, MMKIT_DECODE_AHEAD steps later, does not start with a TLB miss
+ * (blocks are scattered over the whole pool: nearly every one starts on a page the TLB has not
+ * seen). From DRAM, bf16, one thread, Zen 5: with PREFETCHT0 alone 12-15 GB/s, with a touch
+ * 6-8 steps ahead 16-18, 12-16 steps ahead 13-15; from cache level or slightly faster
+ * (benchmarks/results/2026-12-07-decode-attention-dram/variants.log). */
 #define MMKIT_DECODE_TOUCH (2 * MMKIT_DECODE_AHEAD)
 
 /* One line of context row t (see MMKIT_DECODE_TOUCH). */
@@ -490,12 +491,22 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     const int64_t group = it.group, max_len = it.max_len, start = it.start, len = it.len, first_row = it.first_row;
     const int64_t *table = it.table, row_bytes = it.row_bytes;
     /* Pass 1: scores. Rows t0 in [start, len); scores and softmax index them from 0 (t0 - start). */
-    const int64_t first_n = len - start < 16 ? len - start : 16;
+    const int64_t first_n = len - start < 16 * MMKIT_DECODE_AHEAD ? len - start : 16 * MMKIT_DECODE_AHEAD;
+    if (first_n > 16) prefetch_chunk(p->k_cache, table, start + 16, first_n - 16, first_row, p->block_size, row_bytes);
+    int v_asked = 0;
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+        const int64_t at = t0 + 16 * MMKIT_DECODE_AHEAD;
+        const int64_t ahead = len - at < 16 ? len - at : 16;
+        if (ahead > 0) {
+            prefetch_chunk(p->k_cache, table, at, ahead, first_row, p->block_size, row_bytes);
+        } else if (!v_asked) {
+            prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+            v_asked = 1;
+        }
+        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH;
+        if (far < len) touch_row(p->k_cache, table, far, first_row, p->block_size, row_bytes);
+        else if (far - len + start < len) touch_row(p->v_cache, table, far - len + start, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's K rows as float32 */
         chunk_rows(rp, rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
