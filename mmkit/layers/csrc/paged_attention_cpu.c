@@ -230,8 +230,8 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
 /* Ask for the cache lines of rows [t0, t0 + n) ahead of use. Blocks sit at random places in
  * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
  * kernel's time was spent waiting on the first loads of each block. PREFETCHT0: on Zen 5 the
- * PREFETCHT1 used before read K/V from DRAM 25-40% slower than T0 within the kernel, and in a
- * plain read of scattered 2 KiB blocks it was slower than no prefetch at all
+ * PREFETCHT1 used before read K/V from DRAM up to 20% slower than T0 within the kernel, and in
+ * a plain read of scattered 2 KiB blocks it was no faster than no prefetch at all
  * (benchmarks/results/2026-12-07-decode-attention-dram/). */
 static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
                                                                   int64_t n, int64_t first_block_row,
@@ -396,12 +396,13 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
  * (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf" against "pv"); from
  * cache it made no difference. The float32 item's K went 1 chunk ahead until 2026-12-07. */
 #define MMKIT_DECODE_AHEAD 4
-/* ... and, twice as far ahead, one line of the block (chunk) to come: its page's translation
- * is walked and its first line requested while the nearer blocks are still arriving, so the
- * full prefetch of that block, MMKIT_DECODE_AHEAD steps later, does not start with a TLB miss
+/* ... and, twice as far ahead, one line of the block (chunk) to come, so that its page is
+ * walked and its first line requested while the nearer blocks are still arriving, and the full
+ * prefetch of that block, MMKIT_DECODE_AHEAD steps later, does not start with a TLB miss
  * (blocks are scattered over the whole pool: nearly every one starts on a page the TLB has not
- * seen). From DRAM, bf16, one thread, Zen 5: with PREFETCHT0 alone 12-15 GB/s, with a touch
- * 6-8 steps ahead 16-18, 12-16 steps ahead 13-15; from cache level or slightly faster
+ * seen; that this is where the gain comes from was not measured). From DRAM, bf16, one
+ * thread, Zen 5: PREFETCHT0 alone 12-15 GB/s, with a touch 6-8 steps ahead 16-18, 12-16 steps
+ * ahead 14-15; from cache level or slightly faster
  * (benchmarks/results/2026-12-07-decode-attention-dram/variants.log). */
 #define MMKIT_DECODE_TOUCH (2 * MMKIT_DECODE_AHEAD)
 
