@@ -227,10 +227,12 @@ static inline __attribute__((always_inline)) void attend_item(const Problem *p, 
     }
 }
 
-/* Ask for the cache lines of rows [t0, t0 + n) ahead of use (into L2: L1 prefetches of a
- * whole block at once stalled on the line-fill buffers). Blocks sit at random places in
+/* Ask for the cache lines of rows [t0, t0 + n) ahead of use. Blocks sit at random places in
  * the cache, so the hardware prefetcher cannot guess the next one: without this, half of the
- * kernel's time was spent waiting on the first loads of each block. */
+ * kernel's time was spent waiting on the first loads of each block. PREFETCHT0: on Zen 5 the
+ * PREFETCHT1 used before read K/V from DRAM up to 20% slower than T0 within the kernel, and in
+ * a plain read of scattered 2 KiB blocks it was no faster than no prefetch at all
+ * (benchmarks/results/2026-12-07-decode-attention-dram/). */
 static inline __attribute__((always_inline)) void prefetch_chunk(const void *cache, const int64_t *table, int64_t t0,
                                                                   int64_t n, int64_t first_block_row,
                                                                   int64_t block_size, int64_t row_bytes) {
@@ -238,7 +240,7 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const void *cac
     for (int64_t i = 0; i < n;) {
         const int64_t run = n - i < block_size - off ? n - i : block_size - off; /* rows left in block b */
         const char *start = (const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes;
-        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) __builtin_prefetch(start + byte, 0, 2); /* prefetcht1 on x86 */
+        for (int64_t byte = 0; byte < run * row_bytes; byte += 64) __builtin_prefetch(start + byte, 0, 3);
         i += run;
         off = 0;
         b++;
@@ -389,16 +391,33 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
     }
 }
 
-/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V, and the
- * float32 item's V) or 16-row chunks (the bf16 item's K). With K/V coming from DRAM, 4 read
- * 8-14% faster than 1 (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf"
- * against "pv"); from cache it made no difference. */
+/* How far ahead the AVX-512 decode items ask for K/V: MMKIT_DECODE_AHEAD blocks (V) or 16-row
+ * chunks (K). With K/V coming from DRAM, 4 read 8-14% faster than 1
+ * (benchmarks/results/2026-12-06-decode-attention/harness_ab.log, "pf" against "pv"); from
+ * cache it made no difference. The float32 item's K went 1 chunk ahead until 2026-12-07. */
 #define MMKIT_DECODE_AHEAD 4
+/* ... and, twice as far ahead, one line of the block (chunk) to come, so that its page is
+ * walked and its first line requested while the nearer blocks are still arriving, and the full
+ * prefetch of that block, MMKIT_DECODE_AHEAD steps later, does not start with a TLB miss
+ * (blocks are scattered over the whole pool: nearly every one starts on a page the TLB has not
+ * seen; that this is where the gain comes from was not measured). From DRAM, bf16, one
+ * thread, Zen 5: PREFETCHT0 alone 12-15 GB/s, with a touch 6-8 steps ahead 16-18, 12-16 steps
+ * ahead 14-15; from cache level or slightly faster
+ * (benchmarks/results/2026-12-07-decode-attention-dram/variants.log). */
+#define MMKIT_DECODE_TOUCH (2 * MMKIT_DECODE_AHEAD)
+
+/* One line of context row t (see MMKIT_DECODE_TOUCH). */
+static inline __attribute__((always_inline)) void touch_row(const void *cache, const int64_t *table, int64_t t,
+                                                             int64_t first_block_row, int64_t block_size,
+                                                             int64_t row_bytes) {
+    const int64_t b = t / block_size, off = t % block_size;
+    __builtin_prefetch((const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes, 0, 3);
+}
 
 /* Context rows of one KV head in order, from row `start`: `row` is the current row, and each
- * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use
- * (prefetch_chunk's reasoning: blocks sit at random places, so the hardware prefetcher cannot
- * guess them). */
+ * step into a new block asks for the block MMKIT_DECODE_AHEAD further ahead of use and
+ * touches the one MMKIT_DECODE_TOUCH ahead (prefetch_chunk's reasoning: blocks sit at random
+ * places, so the hardware prefetcher cannot guess them). */
 typedef struct {
     const char *row;
     const char *cache;
@@ -409,7 +428,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void prefetch_block(const RowWalk *w, int64_t b) {
     if (b > w->last_block) return;
     const char *at = w->cache + (w->first_row + w->table[b]) * w->block_size * w->row_bytes;
-    for (int64_t byte = 0; byte < w->block_size * w->row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 2);
+    for (int64_t byte = 0; byte < w->block_size * w->row_bytes; byte += 64) __builtin_prefetch(at + byte, 0, 3);
 }
 
 static inline __attribute__((always_inline)) RowWalk row_walk(const void *cache, const int64_t *table, int64_t start,
@@ -432,6 +451,9 @@ static inline __attribute__((always_inline)) void row_next(RowWalk *w) {
     if (++w->b > w->last_block) return;
     w->row = w->cache + (w->first_row + w->table[w->b]) * w->block_size * w->row_bytes;
     prefetch_block(w, w->b + MMKIT_DECODE_AHEAD);
+    if (w->b + MMKIT_DECODE_TOUCH <= w->last_block)
+        __builtin_prefetch(w->cache + (w->first_row + w->table[w->b + MMKIT_DECODE_TOUCH]) * w->block_size * w->row_bytes,
+                           0, 3);
 }
 
 /* P V of H (<= 6) query heads of a float32 item over its context rows [start, len) read in
@@ -470,12 +492,22 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
     const int64_t group = it.group, max_len = it.max_len, start = it.start, len = it.len, first_row = it.first_row;
     const int64_t *table = it.table, row_bytes = it.row_bytes;
     /* Pass 1: scores. Rows t0 in [start, len); scores and softmax index them from 0 (t0 - start). */
-    const int64_t first_n = len - start < 16 ? len - start : 16;
+    const int64_t first_n = len - start < 16 * MMKIT_DECODE_AHEAD ? len - start : 16 * MMKIT_DECODE_AHEAD;
+    if (first_n > 16) prefetch_chunk(p->k_cache, table, start + 16, first_n - 16, first_row, p->block_size, row_bytes);
+    int v_asked = 0;
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int64_t ahead = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (ahead > 0) prefetch_chunk(p->k_cache, table, t0 + 16, ahead, first_row, p->block_size, row_bytes);
-        else prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+        const int64_t at = t0 + 16 * MMKIT_DECODE_AHEAD;
+        const int64_t ahead = len - at < 16 ? len - at : 16;
+        if (ahead > 0) {
+            prefetch_chunk(p->k_cache, table, at, ahead, first_row, p->block_size, row_bytes);
+        } else if (!v_asked) {
+            prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
+            v_asked = 1;
+        }
+        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH;
+        if (far < len) touch_row(p->k_cache, table, far, first_row, p->block_size, row_bytes);
+        else if (far - len + start < len) touch_row(p->v_cache, table, far - len + start, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's K rows as float32 */
         chunk_rows(rp, rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
@@ -670,6 +702,9 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
             prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
             v_asked = 1;
         }
+        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH; /* past K's end: V's rows from `start` */
+        if (far < len) touch_row(kc, table, far, first_row, p->block_size, row_bytes);
+        else if (far - len + start < len) touch_row(vc, table, far - len + start, first_row, p->block_size, row_bytes);
         chunk_slots(slots, table, t0, n, first_row, p->block_size);
         /* heads 4 at a time (head dim 64; a last 3 together too) or 2 (128: their query
          * registers), the rest one by one */
@@ -728,13 +763,25 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
 #include "paged_item_avx2.h"
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The bf16 items in functions of their own: inlined into attend_one beside the other variants,
+ * their code moved whenever any other variant changed, and from DRAM the call ran 10% slower or
+ * faster with it (same instructions, other addresses). */
+static __attribute__((noinline)) void item_bf16dp_64(const Problem *p, int64_t item, float *scores, float *acc) {
+    attend_item_bf16dp(p, item, scores, acc, 4);
+}
+static __attribute__((noinline)) void item_bf16dp_128(const Problem *p, int64_t item, float *scores, float *acc) {
+    attend_item_bf16dp(p, item, scores, acc, 8);
+}
+#endif
+
 static void attend_one(const Problem *p, int64_t item, float *scores, float *acc, float *rows, int64_t head_dim,
                        int dtype) {
     (void)acc; /* scratch of the AVX-512 and AVX2 variants only */
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-    if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_bf16dp(p, item, scores, acc, 4);
-    else if (dtype == MMKIT_BF16 && head_dim == 128) attend_item_bf16dp(p, item, scores, acc, 8);
+    if (dtype == MMKIT_BF16 && head_dim == 64) item_bf16dp_64(p, item, scores, acc);
+    else if (dtype == MMKIT_BF16 && head_dim == 128) item_bf16dp_128(p, item, scores, acc);
     else
 #endif
     if (dtype == MMKIT_BF16 && head_dim == 64) attend_item_avx512(p, item, scores, acc, rows, 4, MMKIT_BF16);
