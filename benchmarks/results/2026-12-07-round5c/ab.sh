@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 5b A/B (issue 52): engine decode throughput, mmkit alone (throughput.py --skip-hf),
+# Round 5c A/B (issue 52): engine decode throughput, mmkit alone (throughput.py --skip-hf),
 # alternating runs in one session on one host, 3 pairs each:
 #   silu_{bf16,f32}: BASE (main 8230f8f, the session's start: SiLU-mul as its own pass) against
 #                    NEW (this tree: SiLU-mul in the gate/up GEMM's epilogue);
@@ -7,7 +7,7 @@
 #                    default) against the same cache advised huge pages (=1, what a
 #                    preallocated cache now gets).
 # Usage, from the repository root: BASE_DIR=/tmp/base52 BASE_PY=/work/venvs/base52/bin/python \
-#     bash benchmarks/results/2026-12-07-round5b/ab.sh [silu_bf16 silu_f32 huge_bf16]
+#     bash benchmarks/results/2026-12-07-round5c/ab.sh [silu_bf16 silu_f32 huge_bf16]
 set -u
 out=$(cd "$(dirname "$0")" && pwd)
 new_dir=$(pwd)
