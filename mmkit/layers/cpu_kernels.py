@@ -159,7 +159,7 @@ _SIGNATURES = {
     "mmkit_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
     "mmkit_panel_gemm_available": ([], _INT),
     "mmkit_panel_gemm_silu_mul": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT], _INT),
-    "mmkit_panel_gemm_silu_mul_available": ([], _INT),
+    "mmkit_panel_gemm_silu_mul_takes": ([_I64, _I64], _INT),
     "mmkit_panel_f32_halves": ([], _INT),
     "mmkit_quant_panel_gemm_available": ([], _INT),
     "mmkit_quant_panel_gemm": ([_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _I64, _PTR, _I64,

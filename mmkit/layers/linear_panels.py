@@ -141,15 +141,17 @@ def bind(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None):
 def bind_silu_mul(panels: torch.Tensor, inter: int, bias: torch.Tensor | None):
     """`run(x) -> silu(x @ wg.T + bg) * (x @ wu.T + bu)` [M, inter] for the panels of a fused
     gate/up projection ([gate | up], 2 * inter outputs): the activation in the GEMM's epilogue,
-    bit-identical to `bind(...)` followed by the SiLU-mul kernels. None where this build has
-    no fused kernel (AVX2) or `inter` is not a multiple of PANEL (an up panel would start inside
-    a gate panel). Same contract as `bind` for x and for keeping the tensors alive."""
+    bit-identical to `bind(...)` followed by the SiLU-mul kernels. None where the C side's
+    `mmkit_panel_gemm_silu_mul_takes` says no: this build has no fused kernel (AVX2), `inter`
+    is not a multiple of PANEL (an up panel would start inside a gate panel), or K is past
+    where the fused pass was measured to pay (csrc/linear_panels_cpu.c). Same contract as
+    `bind` for x and for keeping the tensors alive."""
     lib = cpu_kernels.library()
-    if (inter <= 0 or inter % PANEL or panels.shape[0] * PANEL != 2 * inter
-            or not lib.mmkit_panel_gemm_silu_mul_available()):
+    k = in_features(panels)
+    if panels.shape[0] * PANEL != 2 * inter or not lib.mmkit_panel_gemm_silu_mul_takes(k, inter):
         return None
     kernel = lib.mmkit_panel_gemm_silu_mul
-    k, dtype, code, panels_ptr = in_features(panels), panels.dtype, _DTYPE_CODES[panels.dtype], panels.data_ptr()
+    dtype, code, panels_ptr = panels.dtype, _DTYPE_CODES[panels.dtype], panels.data_ptr()
     bump_generation()
     bias_ptr = bias.data_ptr() if bias is not None else None
     empty, threads = torch.empty, torch.get_num_threads

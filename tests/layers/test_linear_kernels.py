@@ -160,7 +160,7 @@ def test_panel_gemm_rows_do_not_depend_on_their_batch(dtype, n, with_bias):
 
 
 needs_fused_silu = pytest.mark.skipif(
-    cpu_kernels.library() is None or not cpu_kernels.library().mmkit_panel_gemm_silu_mul_available(),
+    cpu_kernels.library() is None or not cpu_kernels.library().mmkit_panel_gemm_silu_mul_takes(576, 64),
     reason="the fused SiLU-mul GEMM needs the AVX512-BF16 panel kernels")
 
 
@@ -175,7 +175,7 @@ def _silu_mul_two_passes(x, panels, inter, b):
 
 @needs_fused_silu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inter,k,with_bias", [(32, 2, True), (64, 96, False), (96, 598, True), (320, 576, False)])
+@pytest.mark.parametrize("inter,k,with_bias", [(32, 2, True), (64, 96, False), (96, 598, True), (320, 1024, False)])
 def test_fused_silu_mul_is_bit_identical_to_the_two_passes(dtype, inter, k, with_bias):
     """The gate/up GEMM with SiLU-mul in its epilogue gives the same bits as the GEMM followed by
     the SiLU-mul kernel, at every row count (1-6 rows per block, partial blocks, several
@@ -200,13 +200,16 @@ def test_fused_silu_mul_is_bit_identical_to_the_two_passes(dtype, inter, k, with
 
 @needs_fused_silu
 def test_fused_silu_mul_refuses_what_it_cannot_run():
-    """An up panel must start on a panel boundary (inter a multiple of 32) and the panels must be
-    a [gate | up] pair of that width: otherwise None, and the caller runs the two passes."""
+    """An up panel must start on a panel boundary (inter a multiple of 32), the panels must be
+    a [gate | up] pair of that width and K at most where the fused pass was measured to pay
+    (1024): otherwise None, and the caller runs the two passes."""
     w = torch.randn(2 * 40, 64, generator=_gen(34)).bfloat16()
     assert linear_panels.bind_silu_mul(linear_panels.pack(w), 40, None) is None
     w = torch.randn(2 * 64, 64, generator=_gen(35)).bfloat16()
     assert linear_panels.bind_silu_mul(linear_panels.pack(w), 32, None) is None  # not [gate | up] of 32
     assert linear_panels.bind_silu_mul(linear_panels.pack(w), 64, None) is not None
+    w = torch.randn(2 * 64, 1536, generator=_gen(37)).bfloat16()
+    assert linear_panels.bind_silu_mul(linear_panels.pack(w), 64, None) is None  # K past where it pays
 
 
 @needs_fused_silu

@@ -503,12 +503,14 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
 /* out [M, inter] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), rounded as mmkit_panel_gemm followed
  * by mmkit_silu_mul_bf16 / _f32 round (bit-identical), for the fused gate/up projection's
  * panels (N = 2 inter outputs, gate's columns first) and bias [2 inter] or NULL. Returns 0; 1
- * when this build has no fused kernel (AVX2 builds: the caller runs the two passes) or `inter`
- * is not a multiple of 32 (an up panel would start inside a gate panel). */
+ * (nothing written; the caller runs the two passes) where mmkit_panel_gemm_silu_mul_takes says
+ * no: AVX2 builds, `inter` not a multiple of 32 (an up panel would start inside a gate panel),
+ * or K past the size where the fused pass stops paying. */
+int mmkit_panel_gemm_silu_mul_takes(int64_t K, int64_t inter);
 int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
                               const void *panels, const void *bias, int dtype, int nthreads) {
 #if defined(MMKIT_P_BF16DP)
-    if (inter % MMKIT_PANEL != 0 || inter <= 0) return 1;
+    if (!mmkit_panel_gemm_silu_mul_takes(K, inter)) return 1;
     run_blocks(silu_block, inter / MMKIT_PANEL, out, inter, x, x_stride, M, panels, K, bias, dtype, nthreads);
     return 0;
 #else
@@ -518,11 +520,18 @@ int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_
 #endif
 }
 
-/* 1 when this build has mmkit_panel_gemm_silu_mul's fused kernel (AVX512-BF16 builds). */
-int mmkit_panel_gemm_silu_mul_available(void) {
+/* 1 when mmkit_panel_gemm_silu_mul runs for these sizes: an AVX512-BF16 build, `inter` a
+ * multiple of 32, and K at most MMKIT_SILU_MAX_K. Measured on Zen 5 (2 threads, 1-128 rows,
+ * benchmarks/results/2026-12-07-round5c/silu_kernel_ab_2threads.log): at K 576 (the benchmark
+ * LLaVA) the fused pass takes 0.86-0.95x the two passes' time in bf16 and 0.82-0.98x in float32;
+ * at K 1536 (Qwen2-VL-2B) 1.02-1.06x in bf16, where the SiLU pass is a smaller share of the
+ * work than the 6-row blocks' cost over the plain kernel's 8 (an unexplained loss, kept out). */
+#define MMKIT_SILU_MAX_K 1024
+int mmkit_panel_gemm_silu_mul_takes(int64_t K, int64_t inter) {
 #if defined(MMKIT_P_BF16DP)
-    return 1;
+    return inter > 0 && inter % MMKIT_PANEL == 0 && K <= MMKIT_SILU_MAX_K;
 #else
+    (void)K; (void)inter;
     return 0;
 #endif
 }
