@@ -45,7 +45,7 @@ one that is off by default is on for any value but "" and "0" (how they have alw
 | MMKIT_BACKEND_PACKED_LINEAR| 1              | the transformers backend's linears on mmkit's packed `Linear`    |
 | MMKIT_GEMV_MAX_ROWS        | 16             | float32 rows up to which `Linear` runs the C GEMV (0: never)     |
 | MMKIT_PAGED_PREFILL        | 1              | the paged prefill attention kernel (0: one SDPA call per chunk)  |
-| MMKIT_KV_HUGEPAGES         | 0              | back a lazy CPU KV cache with huge pages too (a preallocated one always is) |
+| MMKIT_KV_HUGEPAGES         | unset          | 1 / 0: advise the CPU KV cache huge pages, or not (unset: only a preallocated one) |
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}: got {raw!r}; expected 1 or 0 (true/false)")
 
 
+def _optional_flag(name: str) -> bool | None:
+    """None when unset (the caller's own default), else `_flag`'s reading."""
+    return _flag(name, False) if os.environ.get(name, "").strip() else None
+
+
 def _on_unless_zero(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
@@ -128,7 +133,7 @@ _ON_BY_DEFAULT = ("MMKIT_CPU_KERNELS", "MMKIT_DECODE_STACK", "MMKIT_FUSED_F32", 
                   "MMKIT_QUANT_PANELS", "MMKIT_PACKED_LINEAR", "MMKIT_PAGED_PREFILL",
                   "MMKIT_BACKEND_PACKED_LINEAR")
 _OFF_BY_DEFAULT = ("MMKIT_REQUIRE_CPU_KERNELS", "MMKIT_KERNEL_GENERIC", "MMKIT_KERNEL_NO_AVX512",
-                   "MMKIT_KERNEL_CHECKS", "MMKIT_KV_HUGEPAGES")
+                   "MMKIT_KERNEL_CHECKS")
 
 #: name -> how to read it. Documented in the module docstring's tables.
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -146,6 +151,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "MMKIT_CACHE_DIR": lambda: _optional_str("MMKIT_CACHE_DIR") or None,
     "MMKIT_PANEL_MAX_ROWS": lambda: _optional_int("MMKIT_PANEL_MAX_ROWS") or None,
     "MMKIT_GEMV_MAX_ROWS": lambda: _int("MMKIT_GEMV_MAX_ROWS", 16),
+    # Unset: huge pages for a preallocated CPU KV cache only (worker/kv_cache.py says why).
+    "MMKIT_KV_HUGEPAGES": lambda: _optional_flag("MMKIT_KV_HUGEPAGES"),
     **{name: (lambda name=name: _on_unless_zero(name)) for name in _ON_BY_DEFAULT},
     **{name: (lambda name=name: _on_if_set(name)) for name in _OFF_BY_DEFAULT},
 }
@@ -172,7 +179,7 @@ MMKIT_REQUIRE_CPU_KERNELS: bool
 MMKIT_KERNEL_GENERIC: bool
 MMKIT_KERNEL_NO_AVX512: bool
 MMKIT_KERNEL_CHECKS: bool
-MMKIT_KV_HUGEPAGES: bool
+MMKIT_KV_HUGEPAGES: bool | None
 
 
 def __getattr__(name: str) -> Any:

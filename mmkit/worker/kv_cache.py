@@ -72,7 +72,8 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
         # A preallocated cache commits every page at start-up anyway, so 2 MiB pages cost no
         # memory there; they spare the decode attention a TLB miss (a page walk, nested in a
         # VM) on nearly every block it reads, the blocks being scattered over GBs (issue 52).
-        hugepages = envs.MMKIT_KV_HUGEPAGES or preallocate
+        forced = envs.MMKIT_KV_HUGEPAGES  # 1 / 0 for A/B measurements
+        hugepages = preallocate if forced is None else forced
         zeros = functools.partial(_lazy_zeros, hugepages=hugepages)
     kv_layers = set(kv_layer_ids(model))
     none = torch.empty(0, dtype=model.dtype, device=model.device)  # a hybrid's state layer: no KV
