@@ -522,7 +522,7 @@ int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_
 
 /* 1 when mmkit_panel_gemm_silu_mul runs for these sizes: an AVX512-BF16 build, `inter` a
  * multiple of 32, and K at most MMKIT_SILU_MAX_K. Measured on Zen 5 (2 threads, 1-128 rows,
- * benchmarks/results/2026-12-07-round5c/silu_kernel_ab_2threads.log): at K 576 (the benchmark
+ * benchmarks/results/2026-12-07-round5c/ab/silu_kernel_ab_2threads.log): at K 576 (the benchmark
  * LLaVA) the fused pass takes 0.86-0.95x the two passes' time in bf16 and 0.82-0.98x in float32;
  * at K 1536 (Qwen2-VL-2B) 1.02-1.06x in bf16, where the SiLU pass is a smaller share of the
  * work than the 6-row blocks' cost over the plain kernel's 8 (an unexplained loss, kept out). */

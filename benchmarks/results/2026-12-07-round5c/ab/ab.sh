@@ -9,7 +9,7 @@
 #   lazyhuge_bf16:   the same with the default lazy cache (pages committed as blocks are
 #                    written, inside the timed run), to show why a lazy cache keeps 4 KiB pages.
 # Usage, from the repository root: BASE_DIR=/tmp/base52 BASE_PY=/work/venvs/base52/bin/python \
-#     bash benchmarks/results/2026-12-07-round5c/ab.sh [silu_bf16 silu_f32 huge_bf16]
+#     bash benchmarks/results/2026-12-07-round5c/ab/ab.sh [silu_bf16 silu_f32 huge_bf16]
 set -u
 out=$(cd "$(dirname "$0")" && pwd)
 new_dir=$(pwd)
