@@ -70,8 +70,9 @@ def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
     zeros = torch.zeros
     if model.device.type == "cpu":
         # A preallocated cache commits every page at start-up anyway, so 2 MiB pages cost no
-        # memory there; they spare the decode attention a TLB miss (a page walk, nested in a
-        # VM) on nearly every block it reads, the blocks being scattered over GBs (issue 52).
+        # memory there, and decode attention reads blocks scattered over GBs, where 4 KiB pages
+        # mean a TLB miss on nearly every block: 1.06x decode-heavy bf16 throughput with them
+        # (benchmarks/HISTORY.md, round 5c). A lazy cache keeps 4 KiB pages (_lazy_zeros).
         forced = envs.MMKIT_KV_HUGEPAGES  # 1 / 0 for A/B measurements
         hugepages = preallocate if forced is None else forced
         zeros = functools.partial(_lazy_zeros, hugepages=hugepages)
