@@ -29,7 +29,6 @@ SHAPE_SETS = {
     "toy": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
     "qwen2-vl-2b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
 }
-SHAPES = SHAPE_SETS["toy"]
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -42,19 +41,19 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def compare(dtype: torch.dtype, rows: list[int], layers: int, repeats: int) -> None:
-    weights = [[(0.02 * torch.randn(n, k)).to(dtype) for n, k in SHAPES] for _ in range(layers)]
+def compare(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: list[int], layers: int, repeats: int) -> None:
+    weights = [[(0.02 * torch.randn(n, k)).to(dtype) for n, k in shapes] for _ in range(layers)]
     packed = [[linear_panels.pack(w) for w in layer] for layer in weights]  # alive while bound
     panels = [[linear_panels.bind(pw, w.shape[0], None) for pw, w in zip(pl, wl)] for pl, wl in zip(packed, weights)]
     for m in rows:
-        xs = {k: torch.randn(m, k).to(dtype) for _, k in SHAPES}
-        ours = median_ms(lambda xs=xs: [run(xs[k]) for layer in panels for run, (_, k) in zip(layer, SHAPES)],
+        xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
+        ours = median_ms(lambda xs=xs: [run(xs[k]) for layer in panels for run, (_, k) in zip(layer, shapes)],
                          repeats)
-        ref = median_ms(lambda xs=xs: [F.linear(xs[k], w) for layer in weights for w, (_, k) in zip(layer, SHAPES)],
+        ref = median_ms(lambda xs=xs: [F.linear(xs[k], w) for layer in weights for w, (_, k) in zip(layer, shapes)],
                         repeats)
         err = max((run(xs[k]).float() - F.linear(xs[k].float(), w.float())).abs().max().item()
-                  for run, w, (_, k) in zip(panels[0], weights[0], SHAPES))
-        flops = 2 * m * layers * sum(n * k for n, k in SHAPES)
+                  for run, w, (_, k) in zip(panels[0], weights[0], shapes))
+        flops = 2 * m * layers * sum(n * k for n, k in shapes)
         print(f"{dtype!s:15s} M={m:4d} panels {ours:8.2f} ms ({flops / ours / 1e6:6.1f} GFLOPS)  "
               f"F.linear {ref:8.2f} ms ({flops / ref / 1e6:6.1f})  ratio {ours / ref:.2f}  maxerr {err:.3g}",
               flush=True)
@@ -69,13 +68,11 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPE_SETS), default="toy")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], nargs="+", default=["bfloat16", "float32"])
     args = p.parse_args()
-    global SHAPES
-    SHAPES = SHAPE_SETS[args.shape]
     torch.set_num_threads(args.threads)
     if not linear_panels.available():
         sys.exit("the panel kernels are not available on this CPU/build (AVX512-BF16 or AVX2+FMA needed)")
     for dtype in (getattr(torch, d) for d in args.dtype):
-        compare(dtype, args.rows, args.layers, args.repeats)
+        compare(SHAPE_SETS[args.shape], dtype, args.rows, args.layers, args.repeats)
 
 
 if __name__ == "__main__":

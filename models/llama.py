@@ -103,21 +103,27 @@ class Linear(nn.Linear):
         (`silu_mul_inter`), bit-identical to `forward` then the SiLU-mul kernel; None where the
         fused kernel does not take x (then the caller runs the two passes)."""
         run = self._run_silu_mul
-        if (run is None or x.dtype is not self._packed.dtype or x.dim() != 2 or not x.is_cpu
-                or x.shape[1] != self.in_features or x.stride(1) != 1
-                or (self._onednn is not None and x.shape[0] > self._panel_max_rows)):
+        if run is None or self._to_onednn(x) or not self._panel_input(x):
             return None
         return run(x)
+
+    def _to_onednn(self, x: torch.Tensor) -> bool:
+        """AMX: more rows than `_panel_max_rows` go to oneDNN's packed copy (class docstring)."""
+        return (self._onednn is not None and x.dim() == 2 and x.shape[0] > self._panel_max_rows
+                and x.dtype is torch.bfloat16)
+
+    def _panel_input(self, x: torch.Tensor) -> bool:
+        """x is what the bound panel kernels take as it is: 2-D CPU rows of the panels' dtype
+        with dense columns."""
+        return (x.dtype is self._packed.dtype and x.dim() == 2 and x.is_cpu and x.shape[1] == self.in_features
+                and x.stride(1) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, run = self._packed, self._run_panels
         if run is not None:
-            onednn = self._onednn
-            if onednn is not None and x.dim() == 2 and x.shape[0] > self._panel_max_rows \
-                    and x.dtype is torch.bfloat16:
-                return torch.ops.mkldnn._linear_pointwise(x, onednn, self.bias, "none", [None], "")
-            if x.dtype is packed.dtype and x.dim() == 2 and x.is_cpu and x.shape[1] == self.in_features \
-                    and x.stride(1) == 1:
+            if self._to_onednn(x):
+                return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [None], "")
+            if self._panel_input(x):
                 return run(x)
             if self.weight.numel() == 0:  # released: any other shape/dtype through the panels
                 flat = x.reshape(-1, self.in_features).to(packed.dtype).contiguous()

@@ -152,7 +152,6 @@ def bind_silu_mul(panels: torch.Tensor, inter: int, bias: torch.Tensor | None):
         return None
     kernel = lib.mmkit_panel_gemm_silu_mul
     dtype, code, panels_ptr = panels.dtype, _DTYPE_CODES[panels.dtype], panels.data_ptr()
-    bump_generation()
     bias_ptr = bias.data_ptr() if bias is not None else None
     empty, threads = torch.empty, torch.get_num_threads
 
