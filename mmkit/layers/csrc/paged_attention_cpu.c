@@ -406,10 +406,20 @@ static inline __attribute__((always_inline)) void chunk_rows(const float **rp, f
  * (benchmarks/results/2026-12-07-decode-attention-dram/variants.log). */
 #define MMKIT_DECODE_TOUCH (2 * MMKIT_DECODE_AHEAD)
 
-/* One line of context row t (see MMKIT_DECODE_TOUCH). */
-static inline __attribute__((always_inline)) void touch_row(const void *cache, const int64_t *table, int64_t t,
-                                                             int64_t first_block_row, int64_t block_size,
-                                                             int64_t row_bytes) {
+/* The K pass's far touch (MMKIT_DECODE_TOUCH): while at the 16-row chunk starting at t0, one
+ * line of the row 16 MMKIT_DECODE_TOUCH rows ahead; past K's last row it runs on into V's rows
+ * from `start`, which the P V pass reads next. */
+static inline __attribute__((always_inline)) void touch_ahead(const void *k_cache, const void *v_cache,
+                                                               const int64_t *table, int64_t t0, int64_t start,
+                                                               int64_t len, int64_t first_block_row,
+                                                               int64_t block_size, int64_t row_bytes) {
+    int64_t t = t0 + 16 * MMKIT_DECODE_TOUCH;
+    const void *cache = k_cache;
+    if (t >= len) {
+        t = t - len + start;
+        cache = v_cache;
+        if (t >= len) return;
+    }
     const int64_t b = t / block_size, off = t % block_size;
     __builtin_prefetch((const char *)cache + ((first_block_row + table[b]) * block_size + off) * row_bytes, 0, 3);
 }
@@ -505,9 +515,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
             prefetch_chunk(p->v_cache, table, start, first_n, first_row, p->block_size, row_bytes);
             v_asked = 1;
         }
-        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH;
-        if (far < len) touch_row(p->k_cache, table, far, first_row, p->block_size, row_bytes);
-        else if (far - len + start < len) touch_row(p->v_cache, table, far - len + start, first_row, p->block_size, row_bytes);
+        touch_ahead(p->k_cache, p->v_cache, table, t0, start, len, first_row, p->block_size, row_bytes);
         const float *rp[16]; /* the chunk's K rows as float32 */
         chunk_rows(rp, rows, p->k_cache, table, t0, n, first_row, p->block_size, NC, dtype);
         for (int64_t g = 0; g < group; g++) {
@@ -702,9 +710,7 @@ static inline __attribute__((always_inline)) void attend_item_bf16dp(const Probl
             prefetch_chunk(vc, table, start, first_n, first_row, p->block_size, row_bytes);
             v_asked = 1;
         }
-        const int64_t far = t0 + 16 * MMKIT_DECODE_TOUCH; /* past K's end: V's rows from `start` */
-        if (far < len) touch_row(kc, table, far, first_row, p->block_size, row_bytes);
-        else if (far - len + start < len) touch_row(vc, table, far - len + start, first_row, p->block_size, row_bytes);
+        touch_ahead(kc, vc, table, t0, start, len, first_row, p->block_size, row_bytes);
         chunk_slots(slots, table, t0, n, first_row, p->block_size);
         /* heads 4 at a time (head dim 64; a last 3 together too) or 2 (128: their query
          * registers), the rest one by one */
