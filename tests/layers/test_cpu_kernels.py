@@ -151,6 +151,18 @@ def test_silu_mul_kernel_matches_torch():
     assert cpu_kernels.silu_mul_bf16(gate_up.float()) is None
 
 
+@needs_kernels
+def test_silu_mul_vector_lanes_equal_the_scalar_element():
+    """Every bf16 bit pattern as gate (NaN, inf, subnormals included): the 16-lane pass (one row
+    of 65536) gives the scalar element's bits (65536 rows of one, the kernel's scalar tail)."""
+    torch.manual_seed(0)
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = (torch.randn(65536) * 4).bfloat16()
+    vector = cpu_kernels.silu_mul_bf16(torch.cat([gate, up])[None])[0]
+    scalar = cpu_kernels.silu_mul_bf16(torch.stack([gate, up], dim=1))[:, 0]
+    assert torch.equal(vector.view(torch.int16), scalar.view(torch.int16))
+
+
 def test_disabled_kernels_fall_back_to_torch(tiny_ckpt):
     """MMKIT_CPU_KERNELS=0 (and a failed build) leave every path on torch ops, same tokens."""
     code = (

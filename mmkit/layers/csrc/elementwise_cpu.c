@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "silu_mul_avx512.h"
 
 /* Below this many elements a kernel runs on the calling thread: waking OpenMP's sleeping
  * workers (OMP_WAIT_POLICY=PASSIVE) costs tens of microseconds, more than the work of a
@@ -96,6 +97,17 @@ void mmkit_rotary_bf16(uint16_t *x, const int64_t *positions, const float *cos, 
     }
 }
 
+/* out[i] = silu_mul_bf16_elem(gate[i], up[i]) for i < n. */
+static inline void silu_mul_bf16_run(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), silu_mul_bf16_16(_mm256_loadu_si256((const __m256i *)(gate + i)),
+                                                                  _mm256_loadu_si256((const __m256i *)(up + i))));
+#endif
+    for (; i < n; i++) out[i] = silu_mul_bf16_elem(gate[i], up[i]);
+}
+
 /* out[t] = bf16(silu(gate)) * up, gate = gate_up[t, :inter], up = gate_up[t, inter:]. */
 void mmkit_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t num_tokens, int64_t inter,
                          int num_threads) {
@@ -105,14 +117,7 @@ void mmkit_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t num_tok
         const uint16_t *g = gate_up + t * 2 * inter;
         const uint16_t *u = g + inter;
         uint16_t *o = out + t * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = silu_mul_bf16_elem(g[i], u[i]);
+        silu_mul_bf16_run(o, g, u, inter);
     }
 }
 
-/* One row of mmkit_silu_mul_bf16 from separate gate and up arrays, for the gate/up GEMM's fused
- * epilogue (linear_panels_cpu.c): compiled here, with the unfused pass's flags, so the same bits. */
-void mmkit_silu_mul_bf16_row(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = silu_mul_bf16_elem(gate[i], up[i]);
-}

@@ -26,6 +26,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include "bf16.h"
+#include "silu_mul_avx512.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MMKIT_P_BF16DP 1
@@ -146,10 +147,11 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
  * [M, 2 inter], read it back, and at decode's row counts ran that pass on one thread (below
  * elementwise_cpu.c's parallel threshold) while the other waited; here each thread finishes
  * its own columns. Bit-identical to GEMM then mmkit_silu_mul_*: the same float32 sums in the
- * same order, the same rounding to the output dtype, then the unfused pass's own row function
- * (elementwise_*cpu.c: compiled there, with that file's floating-point flags). */
+ * same order, the same rounding to the output dtype, then the unfused pass's own SiLU: for
+ * bf16 the 16-lane silu_mul_bf16_16 (silu_mul_avx512.h) on the accumulators, for float32 the
+ * row function of elementwise_f32_cpu.c (compiled there, with that file's floating-point
+ * flags: fp-contract off). */
 #define MMKIT_MR_SILU 6
-void mmkit_silu_mul_bf16_row(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t n);
 void mmkit_silu_mul_f32_row(float *out, const float *gate, const float *up, int64_t n);
 MMKIT_INLINE void silu_rows_bf16(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t xs, const int R,
                                  const uint16_t *pg, const uint16_t *pu, int64_t Kp, const uint16_t *bg,
@@ -175,16 +177,17 @@ MMKIT_INLINE void silu_rows_bf16(uint16_t *out, int64_t out_stride, const uint16
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, u1);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        float v[2 * MMKIT_PANEL];
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(v + 16 * j, acc[r][j]);
-        uint16_t g[MMKIT_PANEL], u[MMKIT_PANEL];
-        for (int c = 0; c < MMKIT_PANEL; ++c) {
-            g[c] = f32_to_bf16(bg ? v[c] + bf16_to_f32(bg[c]) : v[c]);
-            u[c] = f32_to_bf16(bu ? v[MMKIT_PANEL + c] + bf16_to_f32(bu[c]) : v[MMKIT_PANEL + c]);
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 2; ++j) { /* columns 16 j .. 16 j + 15 of this panel pair */
+            __m512 g = acc[r][j], u = acc[r][2 + j];
+            if (bg) {
+                g = _mm512_add_ps(g, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bg + 16 * j))));
+                u = _mm512_add_ps(u, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bu + 16 * j))));
+            }
+            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * j),
+                                silu_mul_bf16_16(_mm512_cvtepi32_epi16(f32_to_bf16_512(g)),
+                                                 _mm512_cvtepi32_epi16(f32_to_bf16_512(u))));
         }
-        mmkit_silu_mul_bf16_row(out + r * out_stride, g, u, MMKIT_PANEL);
-    }
 }
 
 MMKIT_INLINE void silu_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
