@@ -98,7 +98,8 @@ def build_baseline(rev: str, folder: Path) -> ctypes.CDLL:
 class Problem:
     """`layers` caches of one shape, a scattered block table, queries; `run(lib, layer)` is one call."""
 
-    def __init__(self, shape: Shape, dtype: torch.dtype, block_size: int, layers: int, seed: int = 0):
+    def __init__(self, shape: Shape, dtype: torch.dtype, block_size: int, layers: int, seed: int = 0,
+                 layout: str = "scattered"):
         gen = torch.Generator().manual_seed(seed)
         self.shape, self.dtype = shape, dtype
         self.max_blocks = -(-shape.context // block_size)
@@ -107,7 +108,8 @@ class Problem:
         cache_shape = kv_cache_shape(self.num_blocks, block_size, shape.kv_heads, shape.head_dim)
         self.caches = [(torch.randn(cache_shape, generator=gen).to(dtype),
                         torch.randn(cache_shape, generator=gen).to(dtype)) for _ in range(layers)]
-        self.block_ids = torch.randperm(self.num_blocks, generator=gen)[:shape.seqs * self.max_blocks].contiguous()
+        order = torch.randperm(self.num_blocks, generator=gen) if layout == "scattered" else torch.arange(self.num_blocks)
+        self.block_ids = order[:shape.seqs * self.max_blocks].contiguous()
         self.lens = torch.full((shape.seqs,), shape.context, dtype=torch.long)
         self.q = torch.randn(shape.seqs, shape.heads, shape.head_dim, generator=gen).to(dtype)
         self.out = torch.empty_like(self.q)
@@ -150,6 +152,8 @@ def main() -> None:
     ap.add_argument("--min-seconds", type=float, default=0.05, help="least time of one timed batch")
     ap.add_argument("--shapes", nargs="+", help="names of SHAPES to run (default: all)")
     ap.add_argument("--baseline", help="a git revision whose kernel runs beside this tree's")
+    ap.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered",
+                    help="block tables: a random permutation of the pool, or each sequence's blocks in a row")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -158,7 +162,7 @@ def main() -> None:
         raise SystemExit("the CPU kernels are unavailable")
     print(f"CPU: {cpu_name()}")
     print(f"kernel flags: {' '.join(cpu_kernels.build_flags())}; AVX-512: {bool(lib.mmkit_has_avx512())}; "
-          f"threads {args.threads}; block size {args.block_size}; median of {args.repeats} batches (min-max)")
+          f"threads {args.threads}; block size {args.block_size}; {args.layout} blocks; median of {args.repeats} batches (min-max)")
     libs = {"this tree": lib}
     tmp = tempfile.TemporaryDirectory()
     if args.baseline:
@@ -172,10 +176,10 @@ def main() -> None:
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for shape in shapes:
-            one = Problem(shape, dtype, args.block_size, 1)
+            one = Problem(shape, dtype, args.block_size, 1, layout=args.layout)
             layers = max(2, int(args.dram_bytes // one.kv_bytes) + 1)
             for placement in ("cache", "dram") if one.kv_bytes <= args.cache_bytes else ("dram",):
-                problem = one if placement == "cache" else Problem(shape, dtype, args.block_size, layers)
+                problem = one if placement == "cache" else Problem(shape, dtype, args.block_size, layers, layout=args.layout)
                 outs = []
                 for fn in libs.values():  # warm-up, and the outputs compared
                     problem.run(fn, 0, args.threads)
