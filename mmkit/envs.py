@@ -45,6 +45,7 @@ one that is off by default is on for any value but "" and "0" (how they have alw
 | MMKIT_BACKEND_PACKED_LINEAR| 1              | the transformers backend's linears on mmkit's packed `Linear`    |
 | MMKIT_GEMV_MAX_ROWS        | 16             | float32 rows up to which `Linear` runs the C GEMV (0: never)     |
 | MMKIT_PAGED_PREFILL        | 1              | the paged prefill attention kernel (0: one SDPA call per chunk)  |
+| MMKIT_KV_WARM              | 1              | decode stack: the MLP's GEMMs warm the next layer's K/V into cache |
 | MMKIT_KV_HUGEPAGES         | unset          | 1 / 0: advise the CPU KV cache huge pages, or not (unset: only a preallocated one) |
 """
 
@@ -131,7 +132,7 @@ def _int(name: str, default: int) -> int:
 
 _ON_BY_DEFAULT = ("MMKIT_CPU_KERNELS", "MMKIT_DECODE_STACK", "MMKIT_FUSED_F32", "MMKIT_LINEAR_PANELS",
                   "MMKIT_QUANT_PANELS", "MMKIT_PACKED_LINEAR", "MMKIT_PAGED_PREFILL",
-                  "MMKIT_BACKEND_PACKED_LINEAR")
+                  "MMKIT_BACKEND_PACKED_LINEAR", "MMKIT_KV_WARM")
 _OFF_BY_DEFAULT = ("MMKIT_REQUIRE_CPU_KERNELS", "MMKIT_KERNEL_GENERIC", "MMKIT_KERNEL_NO_AVX512",
                    "MMKIT_KERNEL_CHECKS")
 
@@ -169,6 +170,7 @@ MMKIT_PANEL_MAX_ROWS: int | None
 MMKIT_GEMV_MAX_ROWS: int
 MMKIT_CPU_KERNELS: bool
 MMKIT_DECODE_STACK: bool
+MMKIT_KV_WARM: bool
 MMKIT_FUSED_F32: bool
 MMKIT_LINEAR_PANELS: bool
 MMKIT_QUANT_PANELS: bool

@@ -66,7 +66,8 @@ class _Step(ctypes.Structure):
                 ("max_blocks", _I64), ("quant_direct_max_rows", _I64),
                 ("positions", _PTR), ("slot_mapping", _PTR), ("block_ids", _PTR), ("context_lens", _PTR),
                 ("context_starts", _PTR), ("tiles", _PTR), ("num_tiles", _I64), ("cos", _PTR), ("signed_sin", _PTR),
-                ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT), ("lora_slots", _PTR)]
+                ("eps", _FLOAT), ("scale", _FLOAT), ("dtype", _INT), ("num_threads", _INT), ("lora_slots", _PTR),
+                ("kv_warm", _INT)]
 
 
 def enabled() -> bool:
@@ -239,7 +240,8 @@ class DecodeStack:
                      block_ids.data_ptr(), lens.data_ptr(), starts.data_ptr() if starts is not None else None,
                      tiles.data_ptr() if tiles is not None else None, tiles.numel() - 1 if tiles is not None else 0,
                      tables.cos.data_ptr(), tables.signed_sin.data_ptr(), self.model.norm.eps, self.scale, code,
-                     torch.get_num_threads(), lora_slots.data_ptr() if lora_slots is not None else None)
+                     torch.get_num_threads(), lora_slots.data_ptr() if lora_slots is not None else None,
+                     int(envs.MMKIT_KV_WARM))
         failed = _I64(-1)
         status = self._run(self.layers, len(self.layers), self.model.norm.weight.data_ptr(), embeds.data_ptr(),
                            out.data_ptr(), work.data_ptr(), ctypes.byref(step), ctypes.byref(failed))

@@ -78,6 +78,17 @@ def test_stack_is_bit_identical_to_the_modules(ckpts, monkeypatch, family, dtype
     assert logprobs == ref_logprobs  # bit-identical: the same kernels on the same data
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_warming_changes_no_bit(ckpts, monkeypatch, dtype):
+    """The MLP's GEMMs warm the next layer's K/V by default (MMKIT_KV_WARM, csrc/kv_warm.h: prefetches
+    threaded through the GEMMs' inner loops); with it off the stack gives the same bits."""
+    ids, logprobs, taken, _ = _generate(ckpts["llava"], monkeypatch, True, dtype=dtype)
+    monkeypatch.setenv("MMKIT_KV_WARM", "0")
+    off_ids, off_logprobs, off_taken, _ = _generate(ckpts["llava"], monkeypatch, True, dtype=dtype)
+    assert taken >= 10 and off_taken >= 10
+    assert (ids, logprobs) == (off_ids, off_logprobs)
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
 def test_other_blocks_keep_the_modules(ckpts, monkeypatch, family):
     """Qwen3 (q/k norms) and Gemma 3 (its own block) are not the plain Llama block: no stack."""

@@ -21,7 +21,10 @@
  * then out = rms_norm(m + residual) with the final norm's weight.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "kv_warm.h"
 
 /* The kernels this stack strings together (the other csrc files, one shared library). */
 void mmkit_rms_norm_bf16(uint16_t *out, uint16_t *x, const uint16_t *residual, const uint16_t *weight,
@@ -48,10 +51,11 @@ int mmkit_paged_rows_attention(void *out, const void *q, int64_t q_row_stride, c
                                const int64_t *context_lens, const int64_t *tiles, int64_t num_tiles,
                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t num_blocks, int64_t block_size, float scale, int dtype, int num_threads);
-int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
-                     const void *panels, const void *bias, int dtype, int nthreads);
-int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
-                              const void *panels, const void *bias, int dtype, int nthreads);
+int mmkit_panel_gemm_warm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                          const void *panels, const void *bias, int dtype, int nthreads, const MmkitKvWarm *warm);
+int mmkit_panel_gemm_silu_mul_warm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
+                                   const void *panels, const void *bias, int dtype, int nthreads,
+                                   const MmkitKvWarm *warm);
 int mmkit_quant_panel_gemm(uint16_t *out, const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                            const uint8_t *q, int bits, const float *scales, const void *zeros, int64_t group_size,
                            const uint16_t *bias, int64_t direct_max_rows, int nthreads);
@@ -103,14 +107,17 @@ typedef struct {
     float eps, scale;
     int dtype, num_threads;
     const int64_t *lora_slots; /* [num_tokens] adapter slot per row (-1: none), or NULL: no adapter */
+    int kv_warm;               /* 1: the MLP's GEMMs warm the next layer's K/V (kv_warm.h; MMKIT_KV_WARM) */
 } MmkitStep;
 
 /* Status codes of mmkit_decode_stack. */
 enum { STACK_OK = 0, STACK_NO_KERNEL = 1, STACK_OUT_OF_RANGE = 2, STACK_NO_MEMORY = 3 };
 
-static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitStep *s) {
+/* `warm`: K/V blocks the dense GEMM warms on the way (kv_warm.h), or NULL. */
+static int linear(void *out, const void *x, const MmkitLinear *w, const MmkitStep *s, const MmkitKvWarm *warm) {
     const int st = w->bits == 0
-        ? mmkit_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype, s->num_threads)
+        ? mmkit_panel_gemm_warm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, w->bias, s->dtype,
+                                s->num_threads, warm)
         : mmkit_quant_panel_gemm(out, x, w->k, s->num_tokens, w->k, w->n, w->weights, (int)w->bits, w->scales,
                                  w->zeros, w->group_size, w->bias, s->quant_direct_max_rows, s->num_threads);
     if (st == 0 && s->lora_slots && w->lora) {
@@ -129,12 +136,39 @@ static void rms_norm(const MmkitStep *s, void *out, void *x, const void *residua
         mmkit_rms_norm_f32(out, x, residual, weight, s->num_tokens, s->hidden, s->eps, add, s->num_threads);
 }
 
-/* embeds: [T, hidden] (only read); out: [T, hidden], the final norm's output; work: scratch of
- * mmkit_decode_stack_work_bytes(). Returns STACK_OK, or with the layer in *failed_layer:
- * STACK_NO_KERNEL (this build lacks the AVX512-BF16 panels), STACK_OUT_OF_RANGE (a slot, block
- * id or length out of range: bounds-checking build), STACK_NO_MEMORY (a kernel's scratch). */
-int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void *final_norm, const void *embeds,
-                       void *out, void *work, const MmkitStep *s, int64_t *failed_layer) {
+/* Blocks whose K/V the MLP's GEMMs of layer l warm for layer l + 1 (kv_warm.h): a decode-only
+ * step's context blocks, per sequence, KV head and block in the order attention's items take
+ * them, as byte offsets into a layer's cache (the same in every layer). 0 (nothing warmed) for
+ * steps with prefill rows (compute-bound), when s->kv_warm is 0, when a layer's K/V would take
+ * more than half of a 32 MiB L3 (warming it would push out what the next attention reads
+ * first: float32 decode-heavy with a 28 MiB cap ran 1.02x the time, with 16 level), or when
+ * the list cannot be allocated. *offsets is malloc'd (the caller frees). */
+#define MMKIT_KV_WARM_MAX_BYTES (16 << 20)
+static int64_t kv_warm_offsets(const MmkitStep *s, int64_t **offsets) {
+    *offsets = NULL;
+    if (s->tiles || !s->kv_warm) return 0;
+    const int64_t es = s->dtype == MMKIT_BF16 ? 2 : 4, bs = s->block_size;
+    const int64_t block_bytes = bs * s->head_dim * es;
+    int64_t n = 0;
+    for (int64_t q = 0; q < s->num_tokens; ++q) {
+        const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
+        n += s->num_kv_heads * ((s->context_lens[q] + bs - 1) / bs - first);
+    }
+    if (n == 0 || 2 * n * block_bytes > MMKIT_KV_WARM_MAX_BYTES || !(*offsets = malloc(n * sizeof(int64_t)))) return 0;
+    int64_t i = 0;
+    for (int64_t q = 0; q < s->num_tokens; ++q) {
+        const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
+        const int64_t last = (s->context_lens[q] + bs - 1) / bs;
+        for (int64_t h = 0; h < s->num_kv_heads; ++h)
+            for (int64_t b = first; b < last; ++b)
+                (*offsets)[i++] = (h * s->num_blocks + s->block_ids[q * s->max_blocks + b]) * block_bytes;
+    }
+    return n;
+}
+
+static int run_layers(const MmkitLayer *layers, int64_t num_layers, const void *final_norm, const void *embeds,
+                      void *out, void *work, const MmkitStep *s, int64_t *failed_layer, const int64_t *warm_offsets,
+                      int64_t num_warm) {
     const int64_t T = s->num_tokens, H = s->hidden, nh = s->num_heads, nkv = s->num_kv_heads, hd = s->head_dim;
     const int64_t es = s->dtype == MMKIT_BF16 ? 2 : 4, qkv_w = (nh + 2 * nkv) * hd;
     char *w = (char *)work;
@@ -156,7 +190,7 @@ int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void 
             residual = bufs[turn];
             turn ^= 1;
         }
-        if ((st = linear(qkv, h, &L->qkv, s)) != 0) return st;
+        if ((st = linear(qkv, h, &L->qkv, s, NULL)) != 0) return st;
         if (s->dtype == MMKIT_BF16)
             mmkit_rotary_bf16((uint16_t *)qkv, s->positions, s->cos, s->signed_sin, T, qkv_w, nh + nkv, hd,
                               s->num_threads);
@@ -176,26 +210,47 @@ int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void 
         if (st != 0)
             return st == 2 ? STACK_OUT_OF_RANGE : STACK_NO_MEMORY;
         char *a = bufs[turn];
-        if ((st = linear(a, attn, &L->o, s)) != 0) return st;
+        if ((st = linear(a, attn, &L->o, s, NULL)) != 0) return st;
         rms_norm(s, h, a, residual, L->post_norm, 1); /* a becomes the residual stream */
         residual = a;
         turn ^= 1;
         /* dense panels without an adapter on gate/up: SiLU-mul in the GEMM's epilogue (returns 1
          * where it cannot run: AVX2 build, inter not a multiple of 32); else the two passes */
+        /* the next layer's K/V: two thirds warmed by gate/up, the rest by down (their shares of
+         * the MLP's arithmetic) */
+        const int warm_next = num_warm && l + 1 < num_layers;
+        const char *nk = warm_next ? layers[l + 1].k_cache : NULL, *nv = warm_next ? layers[l + 1].v_cache : NULL;
+        const int64_t split = 2 * num_warm / 3, lines = s->block_size * hd * es / 64;
+        const MmkitKvWarm warm_gu = {warm_offsets, split, nk, nv, lines};
+        const MmkitKvWarm warm_down = {warm_offsets + split, num_warm - split, nk, nv, lines};
         if (L->gate_up.bits != 0 || (s->lora_slots && L->gate_up.lora) ||
-            mmkit_panel_gemm_silu_mul(act, h, L->gate_up.k, T, L->gate_up.k, s->inter, L->gate_up.weights,
-                                      L->gate_up.bias, s->dtype, s->num_threads) != 0) {
-            if ((st = linear(gate_up, h, &L->gate_up, s)) != 0) return st;
+            mmkit_panel_gemm_silu_mul_warm(act, h, L->gate_up.k, T, L->gate_up.k, s->inter, L->gate_up.weights,
+                                           L->gate_up.bias, s->dtype, s->num_threads,
+                                           warm_next ? &warm_gu : NULL) != 0) {
+            if ((st = linear(gate_up, h, &L->gate_up, s, warm_next ? &warm_gu : NULL)) != 0) return st;
             if (s->dtype == MMKIT_BF16)
                 mmkit_silu_mul_bf16((uint16_t *)act, (const uint16_t *)gate_up, T, s->inter, s->num_threads);
             else mmkit_silu_mul_f32((float *)act, (const float *)gate_up, T, s->inter, s->num_threads);
         }
-        if ((st = linear(bufs[turn], act, &L->down, s)) != 0) return st;
+        if ((st = linear(bufs[turn], act, &L->down, s, warm_next ? &warm_down : NULL)) != 0) return st;
     }
     *failed_layer = -1;
     if (num_layers == 0) rms_norm(s, out, (void *)embeds, embeds, final_norm, 0);
     else rms_norm(s, out, bufs[turn], residual, final_norm, 1);
     return STACK_OK;
+}
+
+/* embeds: [T, hidden] (only read); out: [T, hidden], the final norm's output; work: scratch of
+ * mmkit_decode_stack_work_bytes(). Returns STACK_OK, or with the layer in *failed_layer:
+ * STACK_NO_KERNEL (this build lacks the AVX512-BF16 panels), STACK_OUT_OF_RANGE (a slot, block
+ * id or length out of range: bounds-checking build), STACK_NO_MEMORY (a kernel's scratch). */
+int mmkit_decode_stack(const MmkitLayer *layers, int64_t num_layers, const void *final_norm, const void *embeds,
+                       void *out, void *work, const MmkitStep *s, int64_t *failed_layer) {
+    int64_t *warm_offsets;
+    const int64_t num_warm = kv_warm_offsets(s, &warm_offsets);
+    const int st = run_layers(layers, num_layers, final_norm, embeds, out, work, s, failed_layer, warm_offsets, num_warm);
+    free(warm_offsets);
+    return st;
 }
 
 /* Scratch bytes mmkit_decode_stack needs for a step of `num_tokens` rows. */

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include "bf16.h"
 #include "silu_mul_avx512.h"
+#include "kv_warm.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MMKIT_P_BF16DP 1
@@ -46,10 +47,12 @@
 #ifdef MMKIT_P_BF16DP
 /* R rows of x (compile-time after inlining) against one panel; writes R x 32 outputs. */
 MMKIT_INLINE void panel_rows(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t xs, const int R,
-                             const uint16_t *panel, int64_t Kp, const uint16_t *bias, int64_t ncols) {
+                             const uint16_t *panel, int64_t Kp, const uint16_t *bias, int64_t ncols,
+                             WarmCursor *wc) {
     __m512 acc[MMKIT_MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < Kp; ++kp) {
+        if (wc && kp % MMKIT_WARM_EVERY == 0) warm_step(wc);
         /* Prefetch the panel well ahead: at batch 1 nothing else hides the memory latency. */
         _mm_prefetch((const char *)(panel + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
         _mm_prefetch((const char *)(panel + kp * 64) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
@@ -75,10 +78,11 @@ MMKIT_INLINE void panel_rows(uint16_t *out, int64_t out_stride, const uint16_t *
 /* float32 twin: panels[p][k][c] = w[32 p + c][k]; per column of k one broadcast of x and two
  * FMAs per row of x (16 accumulators for 8 rows). Sums run over k in order, one FMA each. */
 MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
-                                 const float *panel, int64_t K, const float *bias, int64_t ncols) {
+                                 const float *panel, int64_t K, const float *bias, int64_t ncols, WarmCursor *wc) {
     __m512 acc[MMKIT_MR][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
+        if (wc && k % MMKIT_WARM_EVERY == 0) warm_step(wc);
         _mm_prefetch((const char *)(panel + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
         _mm_prefetch((const char *)(panel + k * 32) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
         const __m512 w0 = _mm512_loadu_ps(panel + k * 32);
@@ -115,26 +119,38 @@ MMKIT_INLINE void panel_rows_f32(float *out, int64_t out_stride, const float *x,
  * Not static: the quantized panels (csrc/quant_panels_cpu.c) run it on a panel they decoded. */
 void mmkit_panel_rows_bf16(uint16_t *o, int64_t N, const uint16_t *xm, int64_t xs, int R,
                            const uint16_t *panel, int64_t K, const uint16_t *b, int64_t ncols) {
-    MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols)
+    MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols, NULL)
+}
+
+/* mmkit_panel_rows_bf16 warming K/V on the way (kv_warm.h). */
+static void panel_rows_bf16_warm(uint16_t *o, int64_t N, const uint16_t *xm, int64_t xs, int R,
+                                 const uint16_t *panel, int64_t K, const uint16_t *b, int64_t ncols, WarmCursor *wc) {
+    MMKIT_P_ROWS(panel_rows, o, xm, R, panel, K / 2, b, ncols, wc)
 }
 
 /* Rows [m0, m1) of x against panel p (output columns n0 = 32 p ..), MMKIT_MR rows at a time
  * (R a compile-time constant in each case, so the accumulators stay in registers). */
 static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t m0, int64_t m1,
-                        const void *panels, int64_t K, const void *bias, int64_t p, int dtype) {
+                        const void *panels, int64_t K, const void *bias, int64_t p, int dtype, WarmCursor *wc) {
+    if (wc->j >= wc->j_end) wc = NULL; /* nothing (left) to warm: the plain loop */
     const int64_t n0 = p * MMKIT_PANEL, ncols = N - n0 < MMKIT_PANEL ? N - n0 : MMKIT_PANEL;
     for (int64_t m = m0; m < m1; m += MMKIT_MR) {
         const int64_t R = m1 - m < MMKIT_MR ? m1 - m : MMKIT_MR;
         if (dtype == 1) {
-            mmkit_panel_rows_bf16((uint16_t *)out + m * N + n0, N, (const uint16_t *)x + m * xs, xs, (int)R,
-                                  (const uint16_t *)panels + p * K * MMKIT_PANEL, K,
-                                  bias ? (const uint16_t *)bias + n0 : NULL, ncols);
+            if (wc)
+                panel_rows_bf16_warm((uint16_t *)out + m * N + n0, N, (const uint16_t *)x + m * xs, xs, (int)R,
+                                     (const uint16_t *)panels + p * K * MMKIT_PANEL, K,
+                                     bias ? (const uint16_t *)bias + n0 : NULL, ncols, wc);
+            else
+                mmkit_panel_rows_bf16((uint16_t *)out + m * N + n0, N, (const uint16_t *)x + m * xs, xs, (int)R,
+                                      (const uint16_t *)panels + p * K * MMKIT_PANEL, K,
+                                      bias ? (const uint16_t *)bias + n0 : NULL, ncols);
         } else {
             const float *panel = (const float *)panels + p * K * MMKIT_PANEL;
             const float *b = bias ? (const float *)bias + n0 : NULL;
             float *o = (float *)out + m * N + n0;
             const float *xm = (const float *)x + m * xs;
-            MMKIT_P_ROWS(panel_rows_f32, o, xm, R, panel, K, b, ncols)
+            MMKIT_P_ROWS(panel_rows_f32, o, xm, R, panel, K, b, ncols, wc)
         }
     }
 }
@@ -155,10 +171,11 @@ static void panel_block(void *out, int64_t N, const void *x, int64_t xs, int64_t
 void mmkit_silu_mul_f32_row(float *out, const float *gate, const float *up, int64_t n);
 MMKIT_INLINE void silu_rows_bf16(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t xs, const int R,
                                  const uint16_t *pg, const uint16_t *pu, int64_t Kp, const uint16_t *bg,
-                                 const uint16_t *bu) {
+                                 const uint16_t *bu, WarmCursor *wc) {
     __m512 acc[MMKIT_MR_SILU][4];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < Kp; ++kp) {
+        if (wc && kp % MMKIT_WARM_EVERY == 0) warm_step(wc);
         _mm_prefetch((const char *)(pg + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
         _mm_prefetch((const char *)(pg + kp * 64) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)(pu + kp * 64) + MMKIT_PF_BYTES, _MM_HINT_T0);
@@ -191,10 +208,12 @@ MMKIT_INLINE void silu_rows_bf16(uint16_t *out, int64_t out_stride, const uint16
 }
 
 MMKIT_INLINE void silu_rows_f32(float *out, int64_t out_stride, const float *x, int64_t xs, const int R,
-                                const float *pg, const float *pu, int64_t K, const float *bg, const float *bu) {
+                                const float *pg, const float *pu, int64_t K, const float *bg, const float *bu,
+                                WarmCursor *wc) {
     __m512 acc[MMKIT_MR_SILU][4];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
+        if (wc && k % MMKIT_WARM_EVERY == 0) warm_step(wc);
         _mm_prefetch((const char *)(pg + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
         _mm_prefetch((const char *)(pg + k * 32) + MMKIT_PF_BYTES + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)(pu + k * 32) + MMKIT_PF_BYTES, _MM_HINT_T0);
@@ -230,7 +249,7 @@ MMKIT_INLINE void silu_rows_f32(float *out, int64_t out_stride, const float *x, 
 
 /* Rows [m0, m1) of x against gate panel p and its up panel; out [M, inter]. */
 static void silu_block(void *out, int64_t inter, const void *x, int64_t xs, int64_t m0, int64_t m1,
-                       const void *panels, int64_t K, const void *bias, int64_t p, int dtype) {
+                       const void *panels, int64_t K, const void *bias, int64_t p, int dtype, WarmCursor *wc) {
     const int64_t pu_index = inter / MMKIT_PANEL + p, n0 = p * MMKIT_PANEL;
     for (int64_t m = m0; m < m1; m += MMKIT_MR_SILU) {
         const int R = m1 - m < MMKIT_MR_SILU ? (int)(m1 - m) : MMKIT_MR_SILU;
@@ -239,13 +258,13 @@ static void silu_block(void *out, int64_t inter, const void *x, int64_t xs, int6
             uint16_t *o = (uint16_t *)out + m * inter + n0;
             const uint16_t *xm = (const uint16_t *)x + m * xs;
             MMKIT_SILU_ROWS(silu_rows_bf16, o, xm, R, pw + p * K * MMKIT_PANEL, pw + pu_index * K * MMKIT_PANEL, K / 2,
-                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL)
+                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL, wc)
         } else {
             const float *pw = (const float *)panels, *b = (const float *)bias;
             float *o = (float *)out + m * inter + n0;
             const float *xm = (const float *)x + m * xs;
             MMKIT_SILU_ROWS(silu_rows_f32, o, xm, R, pw + p * K * MMKIT_PANEL, pw + pu_index * K * MMKIT_PANEL, K,
-                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL)
+                            b ? b + n0 : NULL, b ? b + inter + n0 : NULL, wc)
         }
     }
 }
@@ -255,9 +274,14 @@ static void silu_block(void *out, int64_t inter, const void *x, int64_t xs, int6
  * threads, MMKIT_M_CHUNK rows of x per pass; `block` does rows [m0, m1) of one panel, writing
  * the `N` columns of out's rows. */
 typedef void (*panel_block_fn)(void *out, int64_t N, const void *x, int64_t xs, int64_t m0, int64_t m1,
-                               const void *panels, int64_t K, const void *bias, int64_t p, int dtype);
+                               const void *panels, int64_t K, const void *bias, int64_t p, int dtype,
+                               WarmCursor *wc);
+/* `warm` (or NULL): K/V blocks to warm during the first chunk of rows, spread over each
+ * thread's inner-loop steps (`mr` rows per block; a step is a pair of bf16 columns of K or one
+ * float32 column). */
 static void run_blocks(panel_block_fn block, int64_t P, void *out, int64_t N, const void *x, int64_t xs, int64_t M,
-                       const void *panels, int64_t K, const void *bias, int dtype, int nthreads) {
+                       const void *panels, int64_t K, const void *bias, int dtype, int nthreads,
+                       const MmkitKvWarm *warm, int64_t mr) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
     for (int64_t c0 = 0; c0 < M; c0 += MMKIT_M_CHUNK) {
@@ -265,7 +289,10 @@ static void run_blocks(panel_block_fn block, int64_t P, void *out, int64_t N, co
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p) block(out, N, x, xs, c0, c1, panels, K, bias, p, dtype);
+            const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+            const int64_t steps = (p1 - p0) * ((c1 - c0 + mr - 1) / mr) * (dtype == 1 ? K / 2 : K);
+            WarmCursor wc = warm_cursor(c0 == 0 ? warm : NULL, t, nt, steps);
+            for (int64_t p = p0; p < p1; ++p) block(out, N, x, xs, c0, c1, panels, K, bias, p, dtype, &wc);
         }
     }
 }
@@ -489,18 +516,27 @@ static int a2_gemm(void *out, const void *x, int64_t xs, int64_t M, int64_t K, i
  * (contiguous runs); rows of x go MMKIT_M_CHUNK at a time.
  * Returns 0; 1 when this build has neither the AVX512-BF16 nor the AVX2 path (nothing written);
  * 2 when the AVX2 path could not allocate its widening buffer. */
-int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
-                     const void *panels, const void *bias, int dtype, int nthreads) {
+/* mmkit_panel_gemm that also warms `warm`'s K/V blocks (kv_warm.h; NULL: none; the AVX2
+ * panels do not warm). */
+int mmkit_panel_gemm_warm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                          const void *panels, const void *bias, int dtype, int nthreads, const MmkitKvWarm *warm) {
 #if defined(MMKIT_P_AVX2)
+    (void)warm;
     return a2_gemm(out, x, x_stride, M, K, N, panels, bias, dtype, nthreads);
 #elif defined(MMKIT_P_BF16DP)
-    run_blocks(panel_block, (N + MMKIT_PANEL - 1) / MMKIT_PANEL, out, N, x, x_stride, M, panels, K, bias, dtype, nthreads);
+    run_blocks(panel_block, (N + MMKIT_PANEL - 1) / MMKIT_PANEL, out, N, x, x_stride, M, panels, K, bias, dtype, nthreads,
+               warm, MMKIT_MR);
     return 0;
 #else
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)N; (void)panels; (void)bias; (void)dtype;
-    (void)nthreads;
+    (void)nthreads; (void)warm;
     return 1;
 #endif
+}
+
+int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                     const void *panels, const void *bias, int dtype, int nthreads) {
+    return mmkit_panel_gemm_warm(out, x, x_stride, M, K, N, panels, bias, dtype, nthreads, NULL);
 }
 
 /* out [M, inter] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), rounded as mmkit_panel_gemm followed
@@ -510,17 +546,25 @@ int mmkit_panel_gemm(void *out, const void *x, int64_t x_stride, int64_t M, int6
  * no: AVX2 builds, `inter` not a multiple of 32 (an up panel would start inside a gate panel),
  * or K past the size where the fused pass stops paying. */
 int mmkit_panel_gemm_silu_mul_takes(int64_t K, int64_t inter);
-int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
-                              const void *panels, const void *bias, int dtype, int nthreads) {
+/* mmkit_panel_gemm_silu_mul that also warms `warm`'s K/V blocks (kv_warm.h; NULL: none). */
+int mmkit_panel_gemm_silu_mul_warm(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
+                                   const void *panels, const void *bias, int dtype, int nthreads,
+                                   const MmkitKvWarm *warm) {
 #if defined(MMKIT_P_BF16DP)
     if (!mmkit_panel_gemm_silu_mul_takes(K, inter)) return 1;
-    run_blocks(silu_block, inter / MMKIT_PANEL, out, inter, x, x_stride, M, panels, K, bias, dtype, nthreads);
+    run_blocks(silu_block, inter / MMKIT_PANEL, out, inter, x, x_stride, M, panels, K, bias, dtype, nthreads, warm,
+               MMKIT_MR_SILU);
     return 0;
 #else
     (void)out; (void)x; (void)x_stride; (void)M; (void)K; (void)inter; (void)panels; (void)bias; (void)dtype;
-    (void)nthreads;
+    (void)nthreads; (void)warm;
     return 1;
 #endif
+}
+
+int mmkit_panel_gemm_silu_mul(void *out, const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t inter,
+                              const void *panels, const void *bias, int dtype, int nthreads) {
+    return mmkit_panel_gemm_silu_mul_warm(out, x, x_stride, M, K, inter, panels, bias, dtype, nthreads, NULL);
 }
 
 /* 1 when mmkit_panel_gemm_silu_mul runs for these sizes: an AVX512-BF16 build, `inter` a

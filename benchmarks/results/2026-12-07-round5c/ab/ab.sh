@@ -11,7 +11,7 @@
 # Usage, from the repository root: BASE_DIR=/tmp/base52 BASE_PY=/work/venvs/base52/bin/python \
 #     bash benchmarks/results/2026-12-07-round5c/ab/ab.sh [silu_bf16 silu_f32 huge_bf16]
 set -u
-out=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$(cd "$(dirname "$0")" && pwd)}  # OUT: another folder for the evidence
 new_dir=$(pwd)
 BASE_DIR=${BASE_DIR:-/tmp/base52}
 BASE_PY=${BASE_PY:-/work/venvs/base52/bin/python}
