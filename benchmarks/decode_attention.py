@@ -54,13 +54,14 @@ class Shape:
 
 
 # Llama-3-8B-like GQA heads (32 query / 8 KV of 64 here, as the issue names) at a few batch and
-# context sizes, Qwen2.5-7B's (28 / 4 of 128), and the benchmark LLaVA's decoder
+# context sizes, Qwen2.5-7B's (28 / 4 of 128), Qwen2-VL-2B's (12 / 2 of 128), and the benchmark LLaVA's decoder
 # (benchmarks/bench_model.py: 9 / 3 heads of 64).
 SHAPES = (
     Shape("gqa32/8 8x512", 8, 512, 32, 8, 64),
     Shape("gqa32/8 32x1024", 32, 1024, 32, 8, 64),
     Shape("gqa32/8 8x4096", 8, 4096, 32, 8, 64),
     Shape("gqa28/4 d128 8x512", 8, 512, 28, 4, 128),
+    Shape("gqa12/2 d128 32x512", 32, 512, 12, 2, 128),
     Shape("toy9/3 32x512", 32, 512, 9, 3, 64),
     Shape("toy9/3 128x300", 128, 300, 9, 3, 64),
 )
