@@ -138,11 +138,12 @@ static void rms_norm(const MmkitStep *s, void *out, void *x, const void *residua
 
 /* Blocks whose K/V the MLP's GEMMs of layer l warm for layer l + 1 (kv_warm.h): a decode-only
  * step's context blocks, per sequence, KV head and block in the order attention's items take
- * them, as byte offsets into a layer's cache (the same in every layer). 0 (nothing warmed) for
- * steps with prefill rows (compute-bound), when s->kv_warm is 0, when a layer's K/V would take
- * more than half of a 32 MiB L3 (warming it would push out what the next attention reads
- * first: float32 decode-heavy with a 28 MiB cap ran 1.02x the time, with 16 level), or when
- * the list cannot be allocated. *offsets is malloc'd (the caller frees). */
+ * them, as byte offsets into a layer's cache (the same in every layer); at most the first
+ * 16 MiB of them, half of a 32 MiB L3: warming more pushed out what the next attention reads
+ * first (float32 decode-heavy with a 28 MiB cap ran 1.02x the time), while the first 16 MiB of
+ * a larger step still pay (0.98x; warming nothing past the cap: 1.01x). 0 (nothing warmed) for
+ * steps with prefill rows (compute-bound), when s->kv_warm is 0, or when the list cannot be
+ * allocated. *offsets is malloc'd (the caller frees). */
 #define MMKIT_KV_WARM_MAX_BYTES (16 << 20)
 static int64_t kv_warm_offsets(const MmkitStep *s, int64_t **offsets) {
     *offsets = NULL;
@@ -154,13 +155,14 @@ static int64_t kv_warm_offsets(const MmkitStep *s, int64_t **offsets) {
         const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
         n += s->num_kv_heads * ((s->context_lens[q] + bs - 1) / bs - first);
     }
-    if (n == 0 || 2 * n * block_bytes > MMKIT_KV_WARM_MAX_BYTES || !(*offsets = malloc(n * sizeof(int64_t)))) return 0;
+    if (2 * n * block_bytes > MMKIT_KV_WARM_MAX_BYTES) n = MMKIT_KV_WARM_MAX_BYTES / (2 * block_bytes);
+    if (n == 0 || !(*offsets = malloc(n * sizeof(int64_t)))) return 0;
     int64_t i = 0;
-    for (int64_t q = 0; q < s->num_tokens; ++q) {
+    for (int64_t q = 0; q < s->num_tokens && i < n; ++q) {
         const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
         const int64_t last = (s->context_lens[q] + bs - 1) / bs;
-        for (int64_t h = 0; h < s->num_kv_heads; ++h)
-            for (int64_t b = first; b < last; ++b)
+        for (int64_t h = 0; h < s->num_kv_heads && i < n; ++h)
+            for (int64_t b = first; b < last && i < n; ++b)
                 (*offsets)[i++] = (h * s->num_blocks + s->block_ids[q * s->max_blocks + b]) * block_bytes;
     }
     return n;
