@@ -167,6 +167,7 @@ _SIGNATURES = {
     # the whole decoder stack of a decode step (csrc/decode_stack_cpu.c, wrapped in models/llama_decode_stack.py)
     "mmkit_decode_stack": ([_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR], _INT),
     "mmkit_decode_stack_work_bytes": ([_I64, _I64, _I64, _I64, _I64, _I64, _INT], _I64),
+    "mmkit_decode_stack_warm_offsets": ([_PTR, _PTR, _I64], _I64),
     "mmkit_apply_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT], None),
 }
 _OUT_OF_BOUNDS = 2  # status of the bounds-checking build (MMKIT_KERNEL_CHECKS=1)

@@ -5,11 +5,14 @@ are re-bound."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
+import torch
 
 from mmkit import LLM, SamplingParams
-from mmkit.layers import linear_panels, quant_panels
-from mmkit.models.llama_decode_stack import DecodeStack
+from mmkit.layers import cpu_kernels, linear_panels, quant_panels
+from mmkit.models.llama_decode_stack import DecodeStack, _Step
 from mmkit.testing import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not linear_panels.available(), reason="no panel kernels (AVX512-BF16 or AVX2) in this build")
@@ -87,6 +90,46 @@ def test_kv_warming_changes_no_bit(ckpts, monkeypatch, dtype):
     off_ids, off_logprobs, off_taken, _ = _generate(ckpts["llava"], monkeypatch, True, dtype=dtype)
     assert taken >= 10 and off_taken >= 10
     assert (ids, logprobs) == (off_ids, off_logprobs)
+
+
+def _warm_offsets(lens, block_ids, *, starts=None, tiles=None, kv_warm=1, dtype=torch.bfloat16, head_dim=64,
+                  block_size=16, kv_heads=2, num_blocks=64):
+    """The C stack's K/V warming list for a step (csrc/decode_stack_cpu.c, kv_warm_offsets)."""
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    starts_t = torch.tensor(starts, dtype=torch.long) if starts is not None else None
+    tiles_t = torch.tensor(tiles, dtype=torch.long) if tiles is not None else None
+    step = _Step(num_tokens=len(lens), num_heads=kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                 num_blocks=num_blocks, block_size=block_size, max_blocks=ids.shape[1], block_ids=ids.data_ptr(),
+                 context_lens=lens_t.data_ptr(), context_starts=starts_t.data_ptr() if starts is not None else None,
+                 tiles=tiles_t.data_ptr() if tiles is not None else None, dtype=cpu_kernels._DTYPES[dtype],
+                 kv_warm=kv_warm)
+    out = (ctypes.c_int64 * 4096)()
+    n = cpu_kernels.library().mmkit_decode_stack_warm_offsets(ctypes.byref(step), out, 4096)
+    assert n <= 4096
+    return list(out[:n])
+
+
+def test_kv_warming_lists_each_context_block_per_kv_head():
+    """The list the MLP's GEMMs warm: every block a decode row's context reads, per sequence, KV
+    head and block in attention's order, as byte offsets into a layer's cache; none before a
+    sliding window's start, none for steps with prefill tiles or with the switch off; cut at
+    16 MiB of K + V."""
+    ids = [[5, 9, 0], [7, 3, 11]]
+    block = 16 * 64 * 2  # bf16 block of one KV head
+    expect = [(h * 64 + b) * block for h in (0, 1) for b in (5,)] + \
+             [(h * 64 + b) * block for h in (0, 1) for b in (7, 3, 11)]
+    assert _warm_offsets([16, 40], ids) == expect
+    assert _warm_offsets([16, 40], ids, starts=[0, 20]) == \
+        [(h * 64 + 5) * block for h in (0, 1)] + [(h * 64 + b) * block for h in (0, 1) for b in (3, 11)]
+    assert _warm_offsets([16, 40], ids, kv_warm=0) == []
+    assert _warm_offsets([16, 40], ids, tiles=[0, 1, 2]) == []
+    float32 = _warm_offsets([16, 40], ids, dtype=torch.float32)
+    assert float32 == [o * 2 for o in expect]
+    # 16 MiB of K + V at 64 KiB a block (head_dim 2048 in float32, 8 tokens): 128 offsets at the most
+    big = _warm_offsets([8 * 200], [list(range(200))], kv_heads=1, head_dim=2048, block_size=8, dtype=torch.float32,
+                        num_blocks=200)
+    assert len(big) == 128 and big == [b * 8 * 2048 * 4 for b in range(128)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])

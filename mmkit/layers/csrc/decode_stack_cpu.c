@@ -150,21 +150,27 @@ static int64_t kv_warm_offsets(const MmkitStep *s, int64_t **offsets) {
     if (s->tiles || !s->kv_warm) return 0;
     const int64_t es = s->dtype == MMKIT_BF16 ? 2 : 4, bs = s->block_size;
     const int64_t block_bytes = bs * s->head_dim * es;
+    int64_t cap = MMKIT_KV_WARM_MAX_BYTES / (2 * block_bytes); /* a K and a V block per offset */
+    if (cap > s->num_tokens * s->num_kv_heads * s->max_blocks) cap = s->num_tokens * s->num_kv_heads * s->max_blocks;
+    if (cap <= 0 || !(*offsets = malloc(cap * sizeof(int64_t)))) return 0;
     int64_t n = 0;
-    for (int64_t q = 0; q < s->num_tokens; ++q) {
-        const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
-        n += s->num_kv_heads * ((s->context_lens[q] + bs - 1) / bs - first);
-    }
-    if (2 * n * block_bytes > MMKIT_KV_WARM_MAX_BYTES) n = MMKIT_KV_WARM_MAX_BYTES / (2 * block_bytes);
-    if (n == 0 || !(*offsets = malloc(n * sizeof(int64_t)))) return 0;
-    int64_t i = 0;
-    for (int64_t q = 0; q < s->num_tokens && i < n; ++q) {
+    for (int64_t q = 0; q < s->num_tokens && n < cap; ++q) {
         const int64_t first = s->context_starts ? s->context_starts[q] / bs : 0;
         const int64_t last = (s->context_lens[q] + bs - 1) / bs;
-        for (int64_t h = 0; h < s->num_kv_heads && i < n; ++h)
-            for (int64_t b = first; b < last && i < n; ++b)
-                (*offsets)[i++] = (h * s->num_blocks + s->block_ids[q * s->max_blocks + b]) * block_bytes;
+        for (int64_t h = 0; h < s->num_kv_heads && n < cap; ++h)
+            for (int64_t b = first; b < last && n < cap; ++b)
+                (*offsets)[n++] = (h * s->num_blocks + s->block_ids[q * s->max_blocks + b]) * block_bytes;
     }
+    return n;
+}
+
+/* kv_warm_offsets for tests and tools: the step's list, its first `out_len` entries into `out`;
+ * returns its length. */
+int64_t mmkit_decode_stack_warm_offsets(const MmkitStep *s, int64_t *out, int64_t out_len) {
+    int64_t *offsets;
+    const int64_t n = kv_warm_offsets(s, &offsets);
+    if (n > 0 && out) memcpy(out, offsets, (size_t)(n < out_len ? n : out_len) * sizeof(int64_t));
+    free(offsets);
     return n;
 }
 
@@ -216,8 +222,6 @@ static int run_layers(const MmkitLayer *layers, int64_t num_layers, const void *
         rms_norm(s, h, a, residual, L->post_norm, 1); /* a becomes the residual stream */
         residual = a;
         turn ^= 1;
-        /* dense panels without an adapter on gate/up: SiLU-mul in the GEMM's epilogue (returns 1
-         * where it cannot run: AVX2 build, inter not a multiple of 32); else the two passes */
         /* the next layer's K/V: two thirds warmed by gate/up, the rest by down (their shares of
          * the MLP's arithmetic) */
         const int warm_next = num_warm && l + 1 < num_layers;
@@ -225,6 +229,8 @@ static int run_layers(const MmkitLayer *layers, int64_t num_layers, const void *
         const int64_t split = 2 * num_warm / 3, lines = s->block_size * hd * es / 64;
         const MmkitKvWarm warm_gu = {warm_offsets, split, nk, nv, lines};
         const MmkitKvWarm warm_down = {warm_offsets + split, num_warm - split, nk, nv, lines};
+        /* dense panels without an adapter on gate/up: SiLU-mul in the GEMM's epilogue (returns 1
+         * where it cannot run: AVX2 build, inter not a multiple of 32); else the two passes */
         if (L->gate_up.bits != 0 || (s->lora_slots && L->gate_up.lora) ||
             mmkit_panel_gemm_silu_mul_warm(act, h, L->gate_up.k, T, L->gate_up.k, s->inter, L->gate_up.weights,
                                            L->gate_up.bias, s->dtype, s->num_threads,

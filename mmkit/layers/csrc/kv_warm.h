@@ -16,9 +16,6 @@
 #ifndef MMKIT_KV_WARM_H
 #define MMKIT_KV_WARM_H
 #include <stdint.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 /* The blocks to warm: block j is offsets[j / 2] bytes into the K cache (j even) or the V cache. */
 typedef struct {
@@ -56,13 +53,7 @@ static inline __attribute__((always_inline)) void warm_step(WarmCursor *c) {
     const MmkitKvWarm *w = c->w;
     const char *at = ((c->j & 1) ? w->v_base : w->k_base) + w->offsets[c->j >> 1] + c->line * 64;
     const int64_t left = w->block_lines - c->line, n = c->per_step < left ? c->per_step : left;
-    for (int64_t i = 0; i < n; ++i) {
-#if defined(__x86_64__)
-        _mm_prefetch(at + i * 64, _MM_HINT_T1);
-#else
-        __builtin_prefetch(at + i * 64, 0, 2);
-#endif
-    }
+    for (int64_t i = 0; i < n; ++i) __builtin_prefetch(at + i * 64, 0, 2); /* locality 2: PREFETCHT1 on x86 */
     c->line += n;
     if (c->line == w->block_lines) {
         c->line = 0;
